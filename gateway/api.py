@@ -1,0 +1,159 @@
+"""The shapes every part of the gateway shares: one request, three events, a few small interfaces.
+
+Protocols import only this module and `gateway.errors`. Everything here is frozen so a request can be
+passed between tasks without anyone mutating it behind another's back.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gateway.errors import Status
+
+
+class Origin(enum.Enum):
+    """Wire protocol a request came in through."""
+
+    REST = "rest"
+    GRPC = "grpc"
+    WEBSOCKET = "websocket"
+    MQTT = "mqtt"
+    KAFKA = "kafka"
+    EXTPROC = "extproc"
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Sampling knobs; `max_tokens=None` means the engine default."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayRequest:
+    """One inference request, whatever protocol it arrived on.
+
+    `adapter` is the name the client asked for (None = base model); the registry resolves it to a
+    concrete adapter version. Exactly one of `prompt` / `messages` is set. `deadline` is an absolute
+    `time.monotonic()` value or None.
+    """
+
+    request_id: str
+    tenant: str
+    adapter: str | None
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stream: bool = False
+    deadline: float | None = None
+    priority: int = 0
+    protocol: Origin = Origin.REST
+    routing_key: str | None = None
+    trace_context: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """New text for the request (one or more tokens)."""
+
+    text: str
+    token_count: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """The request finished; `finish_reason` is "stop", "length" or "abort"."""
+
+    finish_reason: str
+    usage: Usage
+    adapter_version: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """The request failed; nothing else follows."""
+
+    status: Status
+    message: str
+    retry_after_s: float | None = None
+
+
+Event = TokenChunk | Done | Error
+
+
+class Submitter(Protocol):
+    """What a protocol needs from the gateway core."""
+
+    def submit(self, request: GatewayRequest) -> AsyncIterator[Event]:
+        """Admit `request` and stream its events; the stream always ends with `Done` or `Error`.
+
+        Closing the iterator early (client gone) cancels the request wherever it is.
+        """
+        ...
+
+    def authenticate(self, api_key: str | None) -> str:
+        """Return the tenant owning `api_key`, or raise `Unauthenticated`."""
+        ...
+
+    def models_for(self, tenant: str) -> list[str]:
+        """Model ids (`base` and adapter names) this tenant may use."""
+        ...
+
+
+class ProtocolServer(Protocol):
+    """One wire protocol bridged into the gateway; an async context manager that serves while open."""
+
+    async def __aenter__(self) -> ProtocolServer:
+        """Start listening."""
+        ...
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """Stop accepting new requests and let in-flight ones finish."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyInput:
+    tenant: str
+    adapter: str | None
+    protocol: Origin
+    max_tokens: int | None
+    prompt_chars: int
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyDecision:
+    allow: bool
+    reason: str = ""
+
+
+class PolicyChecker(Protocol):
+    """Decides whether a request may proceed; implementations live in `policy/`."""
+
+    async def check(self, item: PolicyInput) -> PolicyDecision:
+        """Return allow/deny with a reason a client can read."""
+        ...
