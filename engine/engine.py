@@ -1,0 +1,306 @@
+"""The engine: owns model, KV cache, adapter pool and scheduler, and runs steps on its own thread.
+
+`add_request` / `abort` / adapter calls are thread-safe; they validate at once (so callers get a precise
+error), then hand work to the engine thread, which applies it between steps. Outputs are delivered to each
+request's sink from the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.adapters import AdapterError
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache
+from engine.loader import load_weights, resolve_model
+from engine.lora import LoRABatch, LoRAStacks
+from engine.model import DecoderModel, SeqSlice
+from engine.pool import AdapterPool, AdapterVersion
+from engine.sampling import SamplingParams, make_generator, sample
+from engine.scheduler import Scheduler
+from engine.sequence import OutputSink, RequestOutput, SeqStatus, Sequence
+from engine.tokenizer import IncrementalDecoder, Tokenizer
+
+log = logging.getLogger("engine")
+
+
+class EngineError(Exception):
+    """A request or command the engine refuses; `code` is a gRPC status name."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_slots_total: int
+    kv_slots_used: int
+    steps: int
+    tokens_generated: int
+
+
+class LLMEngine:
+    """Continuous-batching multi-LoRA engine over one base model."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        self.device, self.dtype = config.torch_device(), config.torch_dtype()
+        if config.threads > 0:
+            torch.set_num_threads(config.threads)
+        source = resolve_model(config.model)
+        self.model_name = source.name
+        arch, state = load_weights(source)
+        self.arch = arch
+        self.tokenizer = Tokenizer(source)
+        self.max_model_len = min(config.max_model_len, arch.max_position)
+        model = DecoderModel(arch)
+        model.load_state(state)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.kv = KVCache(arch, config.max_num_seqs, self.max_model_len, self.dtype, self.device)
+        self.stacks = LoRAStacks(arch, config.lora_slots, config.max_lora_rank, self.dtype, self.device)
+        self.pool = AdapterPool(arch, self.stacks, self.dtype, config.host_adapter_cache)
+        self.pool.on_loaded.append(self._wake)
+        self.scheduler = Scheduler(self.kv, self.pool, config.max_num_batched_tokens)
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._pending = 0               # requests accepted but not yet seen by the engine thread
+        self._live: dict[str, Sequence] = {}
+        self.steps = 0
+        self.tokens_generated = 0
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        self.pool.close()
+
+    # -- requests (any thread) ---------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        adapter: str | None,
+        sink: OutputSink,
+        priority: int = 0,
+    ) -> None:
+        """Admit a request (raises EngineError); its outputs go to `sink` from the engine thread."""
+        if not request_id:
+            raise EngineError("INVALID_ARGUMENT", "request_id must not be empty")
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise EngineError("INVALID_ARGUMENT", str(exc)) from exc
+        if not prompt_ids:
+            raise EngineError("INVALID_ARGUMENT", "the prompt is empty")
+        if any(t < 0 or t >= self.arch.vocab_size for t in prompt_ids):
+            raise EngineError("INVALID_ARGUMENT", f"prompt token ids must be within [0, {self.arch.vocab_size})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise EngineError(
+                "INVALID_ARGUMENT",
+                f"prompt has {len(prompt_ids)} tokens; this engine's context is {self.max_model_len} tokens",
+            )
+        version: AdapterVersion | None = None
+        if adapter:
+            version = self.pool.lookup(adapter)
+            if version is None:
+                raise EngineError("NOT_FOUND", f"adapter {adapter!r} is not registered on this engine")
+        seq = Sequence(
+            request_id=request_id, prompt_ids=list(prompt_ids), params=params, adapter=version, sink=sink,
+            decoder=IncrementalDecoder(self.tokenizer), generator=make_generator(params, self.device),
+            priority=priority,
+        )
+        with self._lock:
+            if request_id in self._live:
+                raise EngineError("INVALID_ARGUMENT", f"request id {request_id!r} is already in use")
+            if len(self.scheduler.waiting) + self._pending >= self.config.max_waiting:
+                raise EngineError(
+                    "RESOURCE_EXHAUSTED",
+                    f"{self.config.max_waiting} requests are already waiting for KV memory; retry later",
+                )
+            self._live[request_id] = seq
+            self._pending += 1
+        if version is not None:
+            self.pool.ready(version)  # start the cold load now, not at the next step
+        self._commands.put(lambda: self._admit(seq))
+        self._wake()
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request; its sink receives a final output with finish_reason "abort"."""
+        with self._lock:
+            seq = self._live.get(request_id)
+            if seq is None:
+                return False
+            seq.aborted = True
+        self._wake()
+        return True
+
+    # -- adapters (any thread) ---------------------------------------------------------------------
+
+    def load_adapter(self, name: str, path: str, pin: bool = False, wait: bool = False) -> AdapterVersion:
+        if not name:
+            raise EngineError("INVALID_ARGUMENT", "adapter name must not be empty")
+        try:
+            version = self.pool.register(name, Path(path), pin)
+            if wait:
+                self.pool.wait_loaded(version, timeout=120)
+        except AdapterError as exc:
+            raise EngineError("INVALID_ARGUMENT", str(exc)) from exc
+        self._wake()
+        return version
+
+    def unload_adapter(self, name: str) -> bool:
+        return self.pool.unregister(name)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            waiting = len(self.scheduler.waiting) + self._pending
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=waiting, kv_slots_total=self.kv.total,
+            kv_slots_used=self.kv.used_slots, steps=self.steps, tokens_generated=self.tokens_generated,
+        )
+
+    # -- engine thread -----------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+
+    def _admit(self, seq: Sequence) -> None:
+        with self._lock:
+            self._pending -= 1
+        self.scheduler.add(seq)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            while True:
+                try:
+                    self._commands.get_nowait()()
+                except queue.Empty:
+                    break
+            self._reap()
+            if not self.scheduler.has_work():
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+                continue
+            try:
+                self.step()
+            except Exception as exc:  # a bug must fail the requests in flight, not the process
+                log.exception("engine step failed")
+                for seq in list(self.scheduler.running):
+                    self._finish(seq, "error", error=f"engine step failed: {exc!r}")
+
+    def _reap(self) -> None:
+        """Finish aborted requests and those whose adapter failed to load."""
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if seq.aborted:
+                self._finish(seq, "abort")
+            elif seq.status is SeqStatus.WAITING and seq.adapter is not None and seq.adapter.error:
+                self._finish(seq, "error", error=seq.adapter.error)
+
+    def step(self) -> None:
+        """One forward pass: prefill newly admitted requests, decode one token for all running ones."""
+        admitted = set(self.scheduler.schedule())
+        running = list(self.scheduler.running)
+        if not running:
+            return
+        input_ids: list[int] = []
+        positions: list[int] = []
+        token_slots: list[int] = []
+        slices: list[SeqSlice] = []
+        for seq in running:
+            start = len(input_ids)
+            if seq in admitted:
+                input_ids.extend(seq.prompt_ids)
+                positions.extend(range(len(seq.prompt_ids)))
+                slices.append(SeqSlice(seq.kv_slot, start, len(seq.prompt_ids), len(seq.prompt_ids)))
+            else:
+                input_ids.append(seq.output_ids[-1])
+                positions.append(seq.context_len - 1)
+                slices.append(SeqSlice(seq.kv_slot, start, 1, seq.context_len))
+            token_slots.extend([seq.lora_slot] * (len(input_ids) - start))
+        dev = self.device
+        lora = LoRABatch.build(self.stacks, token_slots, dev)
+        logits = self.model(
+            torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), slices, self.kv, lora
+        )
+        tokens = sample(logits, [s.params for s in running], [s.generator for s in running])
+        self.steps += 1
+        for seq, token in zip(running, tokens, strict=True):
+            self._append(seq, token)
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        if token in self.tokenizer.eos_token_ids and not params.ignore_eos:
+            self._finish(seq, "stop")
+            return
+        seq.output_ids.append(token)
+        self.tokens_generated += 1
+        seq.decoder.push(token)
+        text = seq.decoder.text
+        if params.stop:
+            window_start = max(0, seq.emitted_chars - seq.max_stop_len)
+            hits = [i for i in (text.find(s, window_start) for s in params.stop) if i >= 0]
+            if hits:
+                self._finish(seq, "stop", text_end=min(hits), new_token=token)
+                return
+        if len(seq.output_ids) >= params.max_tokens or seq.context_len >= self.max_model_len:
+            self._finish(seq, "length", new_token=token)
+            return
+        # Hold back a possible stop-string prefix until it is ruled out.
+        safe_end = len(text) - (seq.max_stop_len - 1 if params.stop else 0)
+        delta = text[seq.emitted_chars:safe_end] if safe_end > seq.emitted_chars else ""
+        seq.emitted_chars += len(delta)
+        seq.sink(RequestOutput(seq.request_id, delta, (token,), None, len(seq.prompt_ids), len(seq.output_ids)))
+
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: str,
+        *,
+        text_end: int | None = None,
+        new_token: int | None = None,
+        error: str | None = None,
+    ) -> None:
+        if seq.status is SeqStatus.FINISHED:
+            return
+        self.scheduler.finish(seq)
+        with self._lock:
+            self._live.pop(seq.request_id, None)
+        text = seq.decoder.text if text_end is None else seq.decoder.text[:text_end]
+        delta = text[seq.emitted_chars:] if reason != "error" else ""
+        token_ids = () if new_token is None else (new_token,)
+        seq.sink(RequestOutput(
+            seq.request_id, delta, token_ids, reason, len(seq.prompt_ids), len(seq.output_ids), error=error,
+        ))
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """For tests: True once nothing is running or waiting."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            s = self.stats()
+            if s.running == 0 and s.waiting == 0:
+                return True
+            time.sleep(0.01)
+        return False

@@ -1,0 +1,43 @@
+"""Slot-based KV cache: one fixed row of `max_model_len` positions per running request.
+
+Memory is bounded up front (`max_num_seqs` x `max_model_len` tokens); a request is admitted only when a
+slot is free, which is the engine's KV admission limit. Tensors are allocated zero-filled, so on the CPU
+pages are only touched as they are written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelArch
+
+
+class KVCache:
+    """k[layer] / v[layer]: [slots, kv_heads, max_len, head_dim]."""
+
+    def __init__(self, arch: ModelArch, slots: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        shape = (slots, arch.num_kv_heads, max_len, arch.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+        self.max_len = max_len
+        self._free = list(range(slots - 1, -1, -1))
+        self.total = slots
+
+    @staticmethod
+    def bytes_per_token(arch: ModelArch, dtype: torch.dtype) -> int:
+        return 2 * arch.num_layers * arch.kv_size * torch.tensor([], dtype=dtype).element_size()
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_slots(self) -> int:
+        return self.total - len(self._free)
+
+    def allocate(self) -> int | None:
+        """A free slot, or None when every slot holds a running request."""
+        return self._free.pop() if self._free else None
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)

@@ -1,0 +1,141 @@
+"""Stacked per-slot LoRA weights and the per-step batch view of them (vLLM's `lora/` contract).
+
+`LoRAStacks` preallocates, for every layer and targetable projection, `A[slots, max_rank, in]` and
+`B[slots, out, max_rank]`; `set_lora(slot, adapter)` copies an adapter in (zero-padded to `max_rank`),
+`reset_lora(slot)` clears it. A step's `LoRABatch` carries the slot of every token (-1 = base only), so one
+forward pass serves base rows and any mix of adapters and ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelArch
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterWeights:
+    """One adapter in host memory: A [r, in] and B [out, r] per (layer, module)."""
+
+    rank: int
+    scaling: float
+    modules: frozenset[str]
+    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.tensors.values())
+
+
+class LoRAStacks:
+    """Preallocated stacked adapter weights for `slots` adapters of rank <= `max_rank`."""
+
+    def __init__(self, arch: ModelArch, slots: int, max_rank: int, dtype: torch.dtype, device: torch.device):
+        self.slots, self.max_rank = slots, max_rank
+        self.a: dict[tuple[int, str], torch.Tensor] = {}
+        self.b: dict[tuple[int, str], torch.Tensor] = {}
+        for layer in range(arch.num_layers):
+            for module, (fan_in, fan_out) in arch.projection_shapes().items():
+                self.a[(layer, module)] = torch.zeros(slots, max_rank, fan_in, dtype=dtype, device=device)
+                self.b[(layer, module)] = torch.zeros(slots, fan_out, max_rank, dtype=dtype, device=device)
+        self.ranks = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.scalings = torch.zeros(slots, dtype=torch.float32, device=device)
+        # Host-side copies so the CPU path never synchronises to read a rank.
+        self.slot_ranks = [0] * slots
+        self.slot_scalings = [0.0] * slots
+        self.slot_modules: list[frozenset[str]] = [frozenset()] * slots
+
+    def set_lora(self, slot: int, adapter: AdapterWeights) -> None:
+        """Copy `adapter` into `slot` (replacing whatever was there)."""
+        if adapter.rank > self.max_rank:
+            raise ValueError(f"rank {adapter.rank} exceeds the engine's max_lora_rank {self.max_rank}")
+        self.reset_lora(slot)
+        r = adapter.rank
+        for key, (a, b) in adapter.tensors.items():
+            self.a[key][slot, :r].copy_(a, non_blocking=True)
+            self.b[key][slot, :, :r].copy_(b, non_blocking=True)
+        self.ranks[slot] = r
+        self.scalings[slot] = adapter.scaling
+        self.slot_ranks[slot] = r
+        self.slot_scalings[slot] = adapter.scaling
+        self.slot_modules[slot] = adapter.modules
+
+    def reset_lora(self, slot: int) -> None:
+        """Zero `slot`: afterwards it contributes nothing."""
+        if self.slot_ranks[slot]:
+            for module in self.slot_modules[slot]:
+                for (_, m), a in self.a.items():
+                    if m == module:
+                        a[slot].zero_()
+                for (_, m), b in self.b.items():
+                    if m == module:
+                        b[slot].zero_()
+        self.ranks[slot] = 0
+        self.scalings[slot] = 0.0
+        self.slot_ranks[slot] = 0
+        self.slot_scalings[slot] = 0.0
+        self.slot_modules[slot] = frozenset()
+
+
+class LoRABatch:
+    """The LoRA view of one step: slot per token, computed once and shared by every layer."""
+
+    def __init__(self, stacks: LoRAStacks, token_slots: list[int], device: torch.device) -> None:
+        self.stacks = stacks
+        self.token_slots = torch.tensor(token_slots, dtype=torch.int32, device=device)
+        groups: dict[int, list[int]] = {}
+        for t, s in enumerate(token_slots):
+            if s >= 0:
+                groups.setdefault(s, []).append(t)
+        self.segments = [_Segment.of(stacks, s, rows, len(token_slots), device) for s, rows in groups.items()]
+        self.modules: frozenset[str] = frozenset().union(*(seg.modules for seg in self.segments))
+
+    @staticmethod
+    def build(stacks: LoRAStacks, token_slots: list[int], device: torch.device) -> LoRABatch | None:
+        """None when no token of the step uses an adapter (pure base step, no LoRA work at all)."""
+        if all(s < 0 for s in token_slots):
+            return None
+        return LoRABatch(stacks, token_slots, device)
+
+    def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += scaling * (x @ A^T) @ B^T for every token, with its own slot's adapter (in place)."""
+        if module not in self.modules:
+            return
+        a_stack, b_stack = self.stacks.a[(layer, module)], self.stacks.b[(layer, module)]
+        # Grouped path (kernels.lora_apply_grouped's semantics): one pair of matmuls per adapter present,
+        # over its true rank only; contiguous rows (prefill, single adapter) avoid gather/scatter copies.
+        for seg in self.segments:
+            if module not in seg.modules:
+                continue
+            a = a_stack[seg.slot, : seg.rank]
+            b = b_stack[seg.slot, :, : seg.rank]
+            if seg.span is not None:
+                rows = slice(*seg.span)
+                y[rows].add_((x[rows] @ a.t()) @ b.t(), alpha=seg.scaling)
+            else:
+                delta = (x.index_select(0, seg.rows) @ a.t()) @ b.t()
+                y.index_add_(0, seg.rows, delta, alpha=seg.scaling)
+
+
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    slot: int
+    rank: int
+    scaling: float
+    modules: frozenset[str]
+    rows: torch.Tensor
+    span: tuple[int, int] | None  # (start, stop) when the rows are contiguous
+
+    @staticmethod
+    def of(stacks: LoRAStacks, slot: int, rows: list[int], tokens: int, device: torch.device) -> _Segment:
+        contiguous = rows[-1] - rows[0] + 1 == len(rows)
+        return _Segment(
+            slot=slot,
+            rank=stacks.slot_ranks[slot],
+            scaling=stacks.slot_scalings[slot],
+            modules=stacks.slot_modules[slot],
+            rows=torch.tensor(rows, dtype=torch.long, device=device),
+            span=(rows[0], rows[-1] + 1) if contiguous else None,
+        )

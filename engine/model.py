@@ -1,0 +1,178 @@
+"""A Llama-family decoder (Llama / SmolLM2, Qwen2 with qkv bias, Mistral) in plain torch.
+
+Tokens of every sequence in a step are flattened into one [T] batch (prefills and decodes mixed); each
+sequence's attention reads its own rows of the slot-based KV cache. LoRA deltas are added after each base
+projection by `lora.LoRABatch`, which knows the slot of every token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelArch
+from engine.kv_cache import KVCache
+from engine.lora import LoRABatch
+
+
+@dataclass(frozen=True, slots=True)
+class SeqSlice:
+    """One sequence's part of a step: rows [start, start + length) of the flat batch."""
+
+    kv_slot: int
+    start: int
+    length: int
+    context_len: int  # tokens in the KV cache after this step (past + new)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+def rope_tables(head_dim: int, max_position: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_position, head_dim] in the rotate-half layout."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos[:, None, :] + rotated.float() * sin[:, None, :]).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, index: int) -> None:
+        super().__init__()
+        self.arch, self.index = arch, index
+        h, q, kv, i = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
+        self.input_norm = RMSNorm(h, arch.rms_norm_eps)
+        self.post_norm = RMSNorm(h, arch.rms_norm_eps)
+        # q, k, v (and gate, up) share their input: one matmul each, LoRA deltas land in column slices.
+        self.qkv_weight = nn.Parameter(torch.empty(q + 2 * kv, h), requires_grad=False)
+        self.qkv_bias = nn.Parameter(torch.zeros(q + 2 * kv), requires_grad=False) if arch.qkv_bias else None
+        self.o_weight = nn.Parameter(torch.empty(h, q), requires_grad=False)
+        self.gate_up_weight = nn.Parameter(torch.empty(2 * i, h), requires_grad=False)
+        self.down_weight = nn.Parameter(torch.empty(h, i), requires_grad=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        seqs: list[SeqSlice],
+        kv: KVCache,
+        lora: LoRABatch | None,
+    ) -> torch.Tensor:
+        arch = self.arch
+        q_size, kv_size = arch.q_size, arch.kv_size
+        normed = self.input_norm(x)
+        qkv = F.linear(normed, self.qkv_weight, self.qkv_bias)
+        if lora is not None:
+            lora.apply(self.index, "q_proj", normed, qkv[:, :q_size])
+            lora.apply(self.index, "k_proj", normed, qkv[:, q_size:q_size + kv_size])
+            lora.apply(self.index, "v_proj", normed, qkv[:, q_size + kv_size:])
+        tokens = x.shape[0]
+        q = apply_rope(qkv[:, :q_size].view(tokens, arch.num_heads, arch.head_dim), cos, sin)
+        k = apply_rope(qkv[:, q_size:q_size + kv_size].view(tokens, arch.num_kv_heads, arch.head_dim), cos, sin)
+        v = qkv[:, q_size + kv_size:].view(tokens, arch.num_kv_heads, arch.head_dim)
+        attn = torch.empty(tokens, arch.num_heads, arch.head_dim, dtype=x.dtype, device=x.device)
+        k_cache, v_cache = kv.k[self.index], kv.v[self.index]
+        for s in seqs:
+            rows = slice(s.start, s.start + s.length)
+            past = s.context_len - s.length
+            k_cache[s.kv_slot, :, past:s.context_len] = k[rows].transpose(0, 1)
+            v_cache[s.kv_slot, :, past:s.context_len] = v[rows].transpose(0, 1)
+            keys = k_cache[s.kv_slot, :, :s.context_len].unsqueeze(0)
+            values = v_cache[s.kv_slot, :, :s.context_len].unsqueeze(0)
+            queries = q[rows].transpose(0, 1).unsqueeze(0)
+            # Prompts are prefilled whole (no prefix), so a multi-token slice is exactly causal.
+            out = F.scaled_dot_product_attention(
+                queries, keys, values, is_causal=s.length > 1, enable_gqa=True
+            )
+            attn[rows] = out[0].transpose(0, 1)
+        attn_flat = attn.view(tokens, q_size)
+        o = F.linear(attn_flat, self.o_weight)
+        if lora is not None:
+            lora.apply(self.index, "o_proj", attn_flat, o)
+        x = x + o
+        normed = self.post_norm(x)
+        gate_up = F.linear(normed, self.gate_up_weight)
+        inter = arch.intermediate_size
+        if lora is not None:
+            lora.apply(self.index, "gate_proj", normed, gate_up[:, :inter])
+            lora.apply(self.index, "up_proj", normed, gate_up[:, inter:])
+        hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        down = F.linear(hidden, self.down_weight)
+        if lora is not None:
+            lora.apply(self.index, "down_proj", hidden, down)
+        return x + down
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers, final norm and LM head."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = (None if arch.tie_embeddings else
+                        nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False))
+        cos, sin = rope_tables(arch.head_dim, arch.max_position, arch.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy a loader state dict (our names, separate q/k/v) into the fused parameters."""
+        self.embed.data = state["embed"]
+        self.norm.weight.data = state["norm"]
+        if self.lm_head is not None:
+            self.lm_head.data = state["lm_head"]
+        for i, module in enumerate(self.layers):
+            layer = cast(DecoderLayer, module)
+            p = f"layers.{i}."
+            layer.input_norm.weight.data = state[p + "input_norm.weight"]
+            layer.post_norm.weight.data = state[p + "post_norm.weight"]
+            layer.qkv_weight.data = torch.cat([state[p + f"{n}_proj.weight"] for n in "qkv"])
+            if layer.qkv_bias is not None:
+                layer.qkv_bias.data = torch.cat([state[p + f"{n}_proj.bias"] for n in "qkv"])
+            layer.o_weight.data = state[p + "o_proj.weight"]
+            layer.gate_up_weight.data = torch.cat([state[p + "gate_proj.weight"], state[p + "up_proj.weight"]])
+            layer.down_weight.data = state[p + "down_proj.weight"]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seqs: list[SeqSlice],
+        kv: KVCache,
+        lora: LoRABatch | None,
+    ) -> torch.Tensor:
+        """Logits [len(seqs), vocab] for the last token of every sequence in the step."""
+        x = F.embedding(input_ids, self.embed)
+        cos = cast(torch.Tensor, self.rope_cos)[positions]
+        sin = cast(torch.Tensor, self.rope_sin)[positions]
+        for layer in self.layers:
+            x = layer(x, cos, sin, seqs, kv, lora)
+        last = torch.tensor([s.start + s.length - 1 for s in seqs], device=x.device)
+        hidden = self.norm(x.index_select(0, last))
+        head = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head).float()

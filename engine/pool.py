@@ -1,0 +1,226 @@
+"""Adapter residency: registered (disk) -> host memory -> a LoRA slot, with eviction and background loads.
+
+Thread model: gRPC handlers register adapters; the engine thread acquires and releases slots; a small
+executor reads weights from disk. One lock guards the tables; weight copies into slots happen on the
+engine thread only, between steps.
+
+Versions make hot swap safe: registering a name again creates a new `AdapterVersion`; requests already
+holding the old one finish on it, and its slot is freed when the last of them releases it.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.adapters import AdapterError, AdapterSpec, load_adapter, read_spec
+from engine.config import ModelArch
+from engine.lora import AdapterWeights, LoRAStacks
+
+
+class AdapterState(enum.Enum):
+    REGISTERED = "registered"   # known, weights on disk only
+    LOADING = "loading"         # disk -> host read in flight
+    HOST = "host"               # weights in host memory
+    RESIDENT = "resident"       # weights in a LoRA slot
+    FAILED = "failed"           # the last load failed; `error` says why
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class AdapterVersion:
+    """One registered adapter version; mutated under the pool's lock."""
+
+    name: str
+    spec: AdapterSpec
+    pinned: bool
+    id: int = field(default_factory=lambda: next(_ids))
+    weights: AdapterWeights | None = None
+    loading: Future[AdapterWeights] | None = None
+    error: str | None = None
+    slot: int | None = None
+    active: int = 0                 # running requests using the slot
+    retired: bool = False           # replaced or unloaded; freed once idle
+    last_used: float = 0.0
+    requests_served: int = 0
+    tokens_generated: int = 0
+
+    @property
+    def state(self) -> AdapterState:
+        if self.slot is not None:
+            return AdapterState.RESIDENT
+        if self.weights is not None:
+            return AdapterState.HOST
+        if self.loading is not None:
+            return AdapterState.LOADING
+        return AdapterState.FAILED if self.error else AdapterState.REGISTERED
+
+
+class AdapterPool:
+    """Adapters by name, their host copies and their slots in `stacks`."""
+
+    def __init__(self, arch: ModelArch, stacks: LoRAStacks, dtype: torch.dtype, host_capacity: int) -> None:
+        self._arch, self._stacks, self._dtype = arch, stacks, dtype
+        self._host_capacity = host_capacity
+        self._lock = threading.RLock()  # a load may finish inside _start_load
+        self._by_name: dict[str, AdapterVersion] = {}
+        self._retired: list[AdapterVersion] = []
+        self._slots: list[AdapterVersion | None] = [None] * stacks.slots
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="adapter-load")
+        self.on_loaded: list[Callable[[], None]] = []
+        self.loads_started = 0
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- registration (any thread) -------------------------------------------------------------------
+
+    def register(self, name: str, path: str | Path, pinned: bool = False) -> AdapterVersion:
+        """Validate the adapter (raises AdapterError) and make it the current version of `name`."""
+        spec = read_spec(path, self._arch, self._stacks.max_rank)
+        version = AdapterVersion(name=name, spec=spec, pinned=pinned)
+        with self._lock:
+            old = self._by_name.get(name)
+            if old is not None and old.spec.path == spec.path and old.error is None:
+                old.pinned = pinned
+                return old
+            self._by_name[name] = version
+            if old is not None:
+                self._retire(old)
+            self._start_load(version)
+        return version
+
+    def unregister(self, name: str) -> bool:
+        with self._lock:
+            version = self._by_name.pop(name, None)
+            if version is None:
+                return False
+            self._retire(version)
+            return True
+
+    def lookup(self, name: str) -> AdapterVersion | None:
+        with self._lock:
+            return self._by_name.get(name)
+
+    def versions(self) -> list[AdapterVersion]:
+        with self._lock:
+            return list(self._by_name.values())
+
+    def wait_loaded(self, version: AdapterVersion, timeout: float | None = None) -> None:
+        """Block until `version` is in host memory (raises AdapterError if the load failed)."""
+        with self._lock:
+            future = version.loading
+        if future is not None:
+            future.result(timeout)
+        if version.error:
+            raise AdapterError(version.error)
+
+    # -- engine thread ------------------------------------------------------------------------------
+
+    def ready(self, version: AdapterVersion) -> bool:
+        """Whether `version` can get a slot now; starts its load if its weights are not in memory."""
+        with self._lock:
+            if version.weights is None and version.loading is None:
+                self._start_load(version)
+            return version.weights is not None
+
+    def acquire(self, version: AdapterVersion) -> int | None:
+        """The slot holding `version` (loading it into one, evicting an idle adapter if needed), or None."""
+        with self._lock:
+            if version.slot is None:
+                if version.weights is None:
+                    return None
+                slot = self._free_slot()
+                if slot is None:
+                    return None
+                self._stacks.set_lora(slot, version.weights)
+                self._slots[slot] = version
+                version.slot = slot
+            version.active += 1
+            version.requests_served += 1
+            version.last_used = time.monotonic()
+            return version.slot
+
+    def release(self, version: AdapterVersion, tokens: int) -> None:
+        with self._lock:
+            version.active -= 1
+            version.tokens_generated += tokens
+            version.last_used = time.monotonic()
+            if version.retired and version.active == 0:
+                self._drop(version)
+
+    # -- internals (lock held) ----------------------------------------------------------------------
+
+    def _start_load(self, version: AdapterVersion) -> None:
+        self.loads_started += 1
+        version.error = None
+        future = self._executor.submit(load_adapter, version.spec, self._dtype)
+        version.loading = future
+        future.add_done_callback(functools.partial(self._loaded, version))
+
+    def _loaded(self, version: AdapterVersion, future: Future[AdapterWeights]) -> None:
+        with self._lock:
+            version.loading = None
+            if future.cancelled():
+                return
+            exc = future.exception()
+            if exc is not None:
+                version.error = str(exc) if isinstance(exc, AdapterError) else f"load failed: {exc!r}"
+                return
+            # A retired version still loads: requests admitted before the swap finish on it.
+            version.weights = future.result()
+            if not version.retired:
+                self._trim_host()
+        for callback in self.on_loaded:
+            callback()
+
+    def _free_slot(self) -> int | None:
+        for slot, holder in enumerate(self._slots):
+            if holder is None:
+                return slot
+        idle = [(v.last_used, slot) for slot, v in enumerate(self._slots)
+                if v is not None and v.active == 0 and not v.pinned]
+        if not idle:
+            return None
+        _, slot = min(idle)
+        evicted = self._slots[slot]
+        assert evicted is not None
+        evicted.slot = None
+        self._slots[slot] = None
+        self._stacks.reset_lora(slot)
+        return slot
+
+    def _trim_host(self) -> None:
+        in_host = [v for v in self._by_name.values() if v.weights is not None]
+        excess = len(in_host) - self._host_capacity
+        for v in sorted(in_host, key=lambda v: v.last_used):
+            if excess <= 0:
+                break
+            if v.slot is None and not v.pinned and v.active == 0:
+                v.weights = None
+                excess -= 1
+
+    def _retire(self, version: AdapterVersion) -> None:
+        version.retired = True
+        if version.loading is not None:
+            version.loading.cancel()
+        if version.active == 0:
+            self._drop(version)
+
+    def _drop(self, version: AdapterVersion) -> None:
+        if version.slot is not None:
+            self._slots[version.slot] = None
+            self._stacks.reset_lora(version.slot)
+            version.slot = None
+        version.weights = None

@@ -1,0 +1,68 @@
+"""Continuous batching: which waiting requests join the running batch at this step.
+
+Every step decodes all running requests and prefills as many waiting ones as KV slots, LoRA slots and the
+prefill token budget allow. A waiting request whose adapter is still loading is skipped, never blocking
+the requests behind it; it joins at the first step after its weights are ready.
+"""
+
+from __future__ import annotations
+
+from engine.kv_cache import KVCache
+from engine.pool import AdapterPool
+from engine.sequence import SeqStatus, Sequence
+
+
+class Scheduler:
+    def __init__(self, kv: KVCache, pool: AdapterPool, max_num_batched_tokens: int) -> None:
+        self.kv, self.pool = kv, pool
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        # Higher priority first, then arrival order; stable sort keeps FIFO among equals.
+        self.waiting.sort(key=lambda s: -s.priority)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or any(self._startable(s) for s in self.waiting)
+
+    def schedule(self) -> list[Sequence]:
+        """Move the waiting requests that can start now into `running`; return them (to prefill)."""
+        admitted: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        for seq in list(self.waiting):
+            if self.kv.free_slots == 0:
+                break
+            if len(seq.prompt_ids) > budget:
+                continue
+            if not self._startable(seq):
+                continue
+            if seq.adapter is not None:
+                slot = self.pool.acquire(seq.adapter)
+                if slot is None:
+                    continue  # every LoRA slot is busy with running requests
+                seq.lora_slot = slot
+            kv_slot = self.kv.allocate()
+            assert kv_slot is not None
+            seq.kv_slot = kv_slot
+            seq.status = SeqStatus.RUNNING
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            admitted.append(seq)
+            budget -= len(seq.prompt_ids)
+        return admitted
+
+    def finish(self, seq: Sequence) -> None:
+        """Release everything `seq` holds; it may be waiting or running."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self.kv.release(seq.kv_slot)
+            if seq.adapter is not None:
+                self.pool.release(seq.adapter, len(seq.output_ids))
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def _startable(self, seq: Sequence) -> bool:
+        return seq.adapter is None or self.pool.ready(seq.adapter)

@@ -1,0 +1,63 @@
+"""A request inside the engine: its tokens, sampling state, adapter and output bookkeeping."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.pool import AdapterVersion
+from engine.sampling import SamplingParams
+from engine.tokenizer import IncrementalDecoder
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What a request produced in one step; the last one has `finish_reason` set."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+
+
+OutputSink = Callable[[RequestOutput], None]
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: AdapterVersion | None
+    sink: OutputSink
+    decoder: IncrementalDecoder
+    generator: torch.Generator | None
+    priority: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    status: SeqStatus = SeqStatus.WAITING
+    kv_slot: int = -1
+    lora_slot: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    emitted_chars: int = 0
+    aborted: bool = False
+
+    @property
+    def context_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.params.stop), default=0)

@@ -1,0 +1,166 @@
+"""The engine's gRPC service (engine/engine.proto) over one `LLMEngine`.
+
+Handlers run on the asyncio loop; the engine runs on its own thread and hands outputs back through
+`loop.call_soon_threadsafe`. A cancelled or timed-out call aborts its request, so its work stops within
+one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from engine import engine_pb2 as pb
+from engine import engine_pb2_grpc as pb_grpc
+from engine.engine import EngineError, LLMEngine
+from engine.pool import AdapterVersion
+from engine.sampling import SamplingParams
+from engine.sequence import RequestOutput
+
+log = logging.getLogger("engine.server")
+
+
+def adapter_info(version: AdapterVersion, active: int | None = None) -> pb.AdapterInfo:
+    return pb.AdapterInfo(
+        name=version.name, path=str(version.spec.path), rank=version.spec.rank, scaling=version.spec.scaling,
+        target_modules=sorted(version.spec.modules), state=version.state.value, pinned=version.pinned,
+        requests_served=version.requests_served, tokens_generated=version.tokens_generated,
+        active_requests=version.active if active is None else active,
+    )
+
+
+class EngineService(pb_grpc.EngineServicer):
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        engine = self.engine
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            prompt_ids = self._prompt_ids(request)
+            params = self._sampling(request.sampling, len(prompt_ids))
+        except EngineError as exc:
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+            return
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def sink(out: RequestOutput) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        try:
+            engine.add_request(request_id, prompt_ids, params, request.adapter or None, sink, request.priority)
+        except EngineError as exc:
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+            return
+        finished = False
+        try:
+            yield pb.GenerateResponse(request_id=request_id, admitted=True)
+            while True:
+                out = await outputs.get()
+                if out.error is not None:
+                    finished = True
+                    await context.abort(grpc.StatusCode.INTERNAL, out.error)
+                    return
+                usage = None
+                if out.finish_reason is not None:
+                    finished = True
+                    usage = pb.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)
+                yield pb.GenerateResponse(
+                    request_id=request_id, text=out.text, token_ids=out.token_ids,
+                    finish_reason=out.finish_reason or "", usage=usage,
+                )
+                if finished:
+                    return
+        finally:
+            if not finished:  # client cancelled, deadline passed, or the stream broke
+                engine.abort(request_id)
+
+    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        kind = request.WhichOneof("input")
+        if kind == "prompt":
+            if not request.prompt:
+                raise EngineError("INVALID_ARGUMENT", "prompt is empty")
+            return tokenizer.encode(request.prompt)
+        if kind == "chat":
+            messages = [(m.role, m.content) for m in request.chat.messages]
+            if not messages:
+                raise EngineError("INVALID_ARGUMENT", "chat has no messages")
+            bad = [m[0] for m in messages if m[0] not in ("system", "user", "assistant")]
+            if bad:
+                raise EngineError("INVALID_ARGUMENT", f"unknown chat role {bad[0]!r} (system, user, assistant)")
+            try:
+                return tokenizer.encode_chat(messages)
+            except ValueError as exc:
+                raise EngineError("INVALID_ARGUMENT", str(exc)) from exc
+        if kind == "prompt_token_ids":
+            return list(request.prompt_token_ids.ids)
+        raise EngineError("INVALID_ARGUMENT", "one of prompt, chat or prompt_token_ids is required")
+
+    def _sampling(self, s: pb.SamplingParams, prompt_len: int) -> SamplingParams:
+        room = self.engine.max_model_len - prompt_len
+        if room <= 0:
+            raise EngineError(
+                "INVALID_ARGUMENT",
+                f"prompt has {prompt_len} tokens; this engine's context is {self.engine.max_model_len} tokens",
+            )
+        wanted = s.max_tokens or self.engine.config.default_max_tokens
+        return SamplingParams(
+            max_tokens=min(wanted, room), temperature=s.temperature, top_p=s.top_p if s.top_p > 0 else 1.0,
+            top_k=s.top_k, seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop),
+            ignore_eos=s.ignore_eos,
+        )
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        return pb.AbortResponse(found=self.engine.abort(request.request_id))
+
+    async def LoadAdapter(
+        self, request: pb.LoadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadAdapterResponse:
+        try:
+            # Validation reads files and `wait` blocks on the load: keep both off the event loop.
+            version = await asyncio.to_thread(
+                self.engine.load_adapter, request.name, request.path, request.pin, request.wait
+            )
+        except EngineError as exc:
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+            raise AssertionError("unreachable") from exc
+        return pb.LoadAdapterResponse(adapter=adapter_info(version))
+
+    async def UnloadAdapter(
+        self, request: pb.UnloadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnloadAdapterResponse:
+        return pb.UnloadAdapterResponse(found=self.engine.unload_adapter(request.name))
+
+    async def ListAdapters(
+        self, request: pb.ListAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListAdaptersResponse:
+        return pb.ListAdaptersResponse(adapters=[adapter_info(v) for v in self.engine.pool.versions()])
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        e = self.engine
+        s = e.stats()
+        return pb.StatsResponse(
+            running_requests=s.running, waiting_requests=s.waiting, kv_blocks_total=s.kv_slots_total,
+            kv_blocks_used=s.kv_slots_used, adapters=[adapter_info(v) for v in e.pool.versions()],
+            model=e.model_name, max_model_len=e.max_model_len, lora_slots=e.config.lora_slots, steps=s.steps,
+            tokens_generated=s.tokens_generated,
+        )
+
+
+async def serve(engine: LLMEngine, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Start the gRPC server; returns it and the bound port (useful with port 0)."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_EngineServicer_to_server(EngineService(engine), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    return server, bound

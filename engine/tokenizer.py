@@ -1,0 +1,77 @@
+"""Tokenizer and chat template from the model's own source, through `transformers`' fast tokenizers."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from engine.loader import ModelSource, cache_dir
+
+
+class Tokenizer:
+    """Encode prompts, render chat messages, decode completions incrementally."""
+
+    def __init__(self, source: ModelSource) -> None:
+        from transformers import AutoTokenizer
+
+        # transformers logs a conversion notice for every GGUF tokenizer; it is noise in our logs.
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        if source.kind == "hf":
+            self._tok: Any = AutoTokenizer.from_pretrained(str(source.path))
+        else:
+            # Converting a GGUF vocabulary takes seconds; keep the converted tokenizer next to the weights cache.
+            cached = cache_dir(source) / "tokenizer"
+            if (cached / "tokenizer.json").is_file():
+                self._tok = AutoTokenizer.from_pretrained(str(cached))
+            else:
+                self._tok = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+                try:
+                    self._tok.save_pretrained(str(cached))
+                except OSError:
+                    pass
+        eos = self._tok.eos_token_id
+        self.eos_token_ids: frozenset[int] = frozenset([] if eos is None else [int(eos)])
+        self.vocab_size = len(self._tok)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """Token ids of `messages` rendered with the model's chat template, ready for the reply."""
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt")
+        rendered = self._tok.apply_chat_template(
+            [{"role": role, "content": content} for role, content in messages],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        return self.encode(str(rendered))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 characters."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the new text it completes (possibly empty)."""
+        self._ids.append(token_id)
+        # Decoding the whole completion keeps merges across token boundaries right; completions are short
+        # enough (max_model_len) that this costs microseconds per token.
+        full = self._tokenizer.decode(self._ids)
+        if full.endswith("\ufffd"):
+            return ""
+        delta = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text = full
+        return delta
