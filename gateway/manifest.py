@@ -1,0 +1,189 @@
+"""AdapterInstance manifests: the YAML/JSON shape, its validation, and the frozen spec it becomes.
+
+```yaml
+apiVersion: adapter.ai/v1
+kind: AdapterInstance
+metadata: {name: pirate}
+spec:
+  baseModel: smollm2-135m-instruct
+  allowedTenants: ["*"]
+  scopes: ["chat", "completions"]
+  priority: 0
+  pin: false
+  pinnedVersion: null
+  versions:
+    - {name: v1, source: engine/demo_adapters/pirate, weight: 100}
+```
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from gateway.errors import InvalidRequest
+
+API_VERSION = "adapter.ai/v1"
+KIND = "AdapterInstance"
+DEFAULT_SCOPES = ("chat", "completions")
+
+_NAME_RE = re.compile(r"[a-z0-9-]{1,63}")
+# Versions become part of the engine name "<adapter>@<version>", so '@' is kept out.
+_VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+_TOP_FIELDS = frozenset({"apiVersion", "kind", "metadata", "spec"})
+_METADATA_FIELDS = frozenset({"name", "generation"})
+_SPEC_FIELDS = frozenset({"baseModel", "allowedTenants", "scopes", "priority", "pin", "pinnedVersion", "versions"})
+_VERSION_FIELDS = frozenset({"name", "source", "weight"})
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterVersion:
+    """One trained adapter behind an AdapterInstance; `weight` is its share of traffic."""
+
+    name: str
+    source: str
+    weight: float
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInstance:
+    """A named adapter clients can ask for. `generation` counts applies (0 = never stored)."""
+
+    name: str
+    base_model: str
+    versions: tuple[AdapterVersion, ...]
+    allowed_tenants: tuple[str, ...] = ("*",)
+    scopes: tuple[str, ...] = DEFAULT_SCOPES
+    priority: int = 0
+    pin: bool = False
+    pinned_version: str | None = None
+    generation: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest shape (JSON-able), with `metadata.generation` added."""
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "metadata": {"name": self.name, "generation": self.generation},
+            "spec": {
+                "baseModel": self.base_model,
+                "allowedTenants": list(self.allowed_tenants),
+                "scopes": list(self.scopes),
+                "priority": self.priority,
+                "pin": self.pin,
+                "pinnedVersion": self.pinned_version,
+                "versions": [{"name": v.name, "source": v.source, "weight": v.weight} for v in self.versions],
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: object) -> AdapterInstance:
+        """Validate one manifest; raises `InvalidRequest` naming the field at fault."""
+        top = _mapping(data, "manifest", _TOP_FIELDS)
+        if top.get("apiVersion") != API_VERSION:
+            raise InvalidRequest(f"apiVersion: must be {API_VERSION!r}, got {top.get('apiVersion')!r}")
+        if top.get("kind") != KIND:
+            raise InvalidRequest(f"kind: must be {KIND!r}, got {top.get('kind')!r}")
+        metadata = _mapping(top.get("metadata"), "metadata", _METADATA_FIELDS)
+        name = metadata.get("name")
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+            raise InvalidRequest(f"metadata.name: must match [a-z0-9-]{{1,63}}, got {name!r}")
+        generation = metadata.get("generation", 0)
+        if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
+            raise InvalidRequest("metadata.generation: must be a non-negative integer")
+
+        spec = _mapping(top.get("spec"), "spec", _SPEC_FIELDS)
+        base_model = spec.get("baseModel")
+        if not isinstance(base_model, str) or not base_model:
+            raise InvalidRequest("spec.baseModel: required, a non-empty string")
+        versions = _versions(spec.get("versions"))
+        pinned = spec.get("pinnedVersion")
+        if pinned is not None and pinned not in {v.name for v in versions}:
+            raise InvalidRequest(f"spec.pinnedVersion: {pinned!r} is not one of spec.versions")
+        priority = spec.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequest("spec.priority: must be an integer")
+        pin = spec.get("pin", False)
+        if not isinstance(pin, bool):
+            raise InvalidRequest("spec.pin: must be true or false")
+        return cls(
+            name=name,
+            base_model=base_model,
+            versions=versions,
+            allowed_tenants=_strings(spec.get("allowedTenants", ["*"]), "spec.allowedTenants"),
+            scopes=_strings(spec.get("scopes", list(DEFAULT_SCOPES)), "spec.scopes"),
+            priority=priority,
+            pin=pin,
+            pinned_version=pinned,
+            generation=generation,
+        )
+
+
+def parse_manifests(text: str) -> list[AdapterInstance]:
+    """Parse a (multi-document) YAML or JSON text into AdapterInstances.
+
+    Empty documents are skipped. Raises `InvalidRequest` naming the document and field at fault.
+    """
+    try:
+        documents = list(yaml.safe_load_all(text))
+    except yaml.YAMLError as exc:
+        raise InvalidRequest(f"not valid YAML: {exc}") from None
+    out: list[AdapterInstance] = []
+    for number, document in enumerate(documents, start=1):
+        if document is None:
+            continue
+        try:
+            instance = AdapterInstance.from_dict(document)
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"document {number}: {exc.message}") from None
+        if any(seen.name == instance.name for seen in out):
+            raise InvalidRequest(f"document {number}: adapter {instance.name!r} appears twice")
+        out.append(instance)
+    if not out:
+        raise InvalidRequest("no AdapterInstance documents found")
+    return out
+
+
+def _versions(value: object) -> tuple[AdapterVersion, ...]:
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest("spec.versions: must be a non-empty list")
+    versions: list[AdapterVersion] = []
+    for index, item in enumerate(value):
+        where = f"spec.versions[{index}]"
+        fields = _mapping(item, where, _VERSION_FIELDS)
+        name = fields.get("name")
+        if not isinstance(name, str) or not _VERSION_RE.fullmatch(name):
+            raise InvalidRequest(f"{where}.name: must be 1-63 letters, digits, '.', '_' or '-'")
+        if any(v.name == name for v in versions):
+            raise InvalidRequest(f"{where}.name: duplicate version {name!r}")
+        source = fields.get("source")
+        if not isinstance(source, str) or not source:
+            raise InvalidRequest(f"{where}.source: required, a non-empty string")
+        weight = fields.get("weight")
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) or weight < 0:
+            raise InvalidRequest(f"{where}.weight: required, a non-negative number")
+        versions.append(AdapterVersion(name=name, source=source, weight=weight))
+    if sum(v.weight for v in versions) <= 0:
+        raise InvalidRequest("spec.versions: weights must add up to more than 0")
+    return tuple(versions)
+
+
+def _mapping(value: object, where: str, allowed: frozenset[str]) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise InvalidRequest(f"{where}: must be a mapping")
+    unknown = sorted(str(key) for key in value if key not in allowed)
+    if unknown:
+        prefix = "" if where == "manifest" else f"{where}."
+        raise InvalidRequest(f"{prefix}{unknown[0]}: unknown field")
+    return value
+
+
+def _strings(value: object, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
+        raise InvalidRequest(f"{where}: must be a list of non-empty strings")
+    return tuple(value)

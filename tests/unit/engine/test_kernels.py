@@ -1,0 +1,250 @@
+"""LoRA kernels against the per-token torch references: the CPU path here, the triton kernels interpreted.
+
+Triton reads TRITON_INTERPRET when its kernels are defined, so the interpreted cases run in a child pytest
+with the variable set (`test_triton_interpreted`), and are skipped in the parent process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import kernels
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+REPO = Path(__file__).resolve().parents[3]
+
+# Relative error bounds: fp32 differs from the reference by summation order only; bf16 by roundings
+# of h and y in different places (the kernels keep h in fp32).
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    x: torch.Tensor
+    y: torch.Tensor
+    a_stack: torch.Tensor
+    b_stack: torch.Tensor
+    ranks: torch.Tensor
+    scalings: torch.Tensor
+    token_slots: torch.Tensor
+    slice_sizes: tuple[int, ...]
+
+
+def make_case(
+    dtype: torch.dtype,
+    slot_ranks: Sequence[int],
+    max_rank: int,
+    k_dim: int,
+    slice_sizes: Sequence[int],
+    token_slots: Sequence[int],
+    seed: int,
+) -> Case:
+    """Random stacks honouring the layout contract: rows/columns past each slot's rank are zero."""
+    gen = torch.Generator().manual_seed(seed)
+    num_slots, num_slices = len(slot_ranks), len(slice_sizes)
+    a = torch.randn(num_slots, num_slices * max_rank, k_dim, generator=gen) / k_dim**0.5
+    b = torch.randn(num_slots, sum(slice_sizes), max_rank, generator=gen) / max_rank**0.5
+    for s, r in enumerate(slot_ranks):
+        for sl in range(num_slices):
+            a[s, sl * max_rank + r : (sl + 1) * max_rank] = 0
+        b[s, :, r:] = 0
+    return Case(
+        x=torch.randn(len(token_slots), k_dim, generator=gen).to(dtype),
+        y=torch.randn(len(token_slots), sum(slice_sizes), generator=gen).to(dtype),
+        a_stack=a.to(dtype),
+        b_stack=b.to(dtype),
+        ranks=torch.tensor(slot_ranks, dtype=torch.int32),
+        scalings=torch.rand(num_slots, generator=gen) + 0.5,
+        token_slots=torch.tensor(token_slots, dtype=torch.int32),
+        slice_sizes=tuple(slice_sizes),
+    )
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    diff = (got.double() - want.double()).norm()
+    return float(diff / want.double().norm().clamp_min(1e-30))
+
+
+def expected_h(case: Case) -> torch.Tensor:
+    r = case.b_stack.shape[2]
+    return torch.cat(
+        [
+            kernels.lora_shrink_reference(case.x, case.a_stack[:, sl * r : (sl + 1) * r], case.ranks, case.token_slots)
+            for sl in range(len(case.slice_sizes))
+        ],
+        dim=1,
+    )
+
+
+def expected_y(case: Case) -> torch.Tensor:
+    y = case.y.clone()
+    kernels.lora_apply_reference(
+        y, case.x, case.a_stack, case.b_stack, case.ranks, case.scalings, case.token_slots, case.slice_sizes
+    )
+    return y
+
+
+# Slots: 0 rank 8, 1 rank 16, 2 empty, 3 rank 4, 4 rank 16 (unused). Slot 1 has 18 tokens so that it
+# spans two chunks of 16; -1 tokens are interleaved; slot 2 (rank 0) must leave its tokens untouched.
+MIXED_SLOTS = [1, -1, 0, 1, 3, 1, 2, 1, -1, 1, 1, 0, 1, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1, 1, 2, -1]
+CASES = {
+    "mixed-ranks": dict(slot_ranks=[8, 16, 0, 4, 16], max_rank=16, k_dim=48, slice_sizes=[40]),
+    "qkv-slices": dict(slot_ranks=[8, 16, 0, 4, 16], max_rank=16, k_dim=40, slice_sizes=[24, 8, 8]),
+    "rank-32-two-slices": dict(slot_ranks=[32, 16, 0, 8, 24], max_rank=32, k_dim=33, slice_sizes=[20, 36]),
+}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def case_for(name: str, dtype: torch.dtype, token_slots: Sequence[int] = MIXED_SLOTS) -> Case:
+    return make_case(dtype, token_slots=token_slots, seed=sorted(CASES).index(name), **CASES[name])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cpu_front_matches_reference(name: str, dtype: torch.dtype) -> None:
+    case = case_for(name, dtype)
+    tol = TOLERANCE[dtype]
+    num_slices = len(case.slice_sizes)
+
+    h = kernels.lora_shrink(case.x, case.a_stack, case.ranks, case.token_slots, num_slices=num_slices)
+    assert h.dtype == dtype
+    assert rel_err(h, expected_h(case)) < tol
+    assert torch.all(h[case.token_slots < 0] == 0)
+
+    y = case.y.clone()
+    kernels.lora_expand(
+        y, h, case.b_stack, case.ranks, case.scalings, case.token_slots, slice_sizes=case.slice_sizes
+    )
+    assert rel_err(y, expected_y(case)) < tol
+
+    y = case.y.clone()
+    kernels.lora_apply(
+        y, case.x, case.a_stack, case.b_stack, case.ranks, case.scalings, case.token_slots,
+        slice_sizes=case.slice_sizes,
+    )
+    assert rel_err(y, expected_y(case)) < tol
+    untouched = (case.token_slots < 0) | (case.token_slots == 2)
+    assert torch.equal(y[untouched], case.y[untouched])
+    assert not torch.equal(y[~untouched], case.y[~untouched])
+
+
+def test_grouped_path_with_shared_segments() -> None:
+    case = case_for("mixed-ranks", torch.float32)
+    segments = kernels._segments(case.token_slots)
+    y = case.y.clone()
+    kernels.lora_apply_grouped(
+        y, case.x, case.a_stack, case.b_stack, case.ranks, case.scalings, case.token_slots, segments
+    )
+    assert rel_err(y, expected_y(case)) < TOLERANCE[torch.float32]
+
+
+def test_no_lora_tokens_leave_y_alone() -> None:
+    case = case_for("qkv-slices", torch.float32, token_slots=[-1] * 5)
+    y = case.y.clone()
+    kernels.lora_apply(
+        y, case.x, case.a_stack, case.b_stack, case.ranks, case.scalings, case.token_slots,
+        slice_sizes=case.slice_sizes,
+    )
+    assert torch.equal(y, case.y)
+
+
+def test_slice_sizes_must_cover_b() -> None:
+    case = case_for("qkv-slices", torch.float32)
+    with pytest.raises(ValueError, match="slice_sizes"):
+        kernels.lora_apply(
+            case.y.clone(), case.x, case.a_stack, case.b_stack, case.ranks, case.scalings, case.token_slots,
+            slice_sizes=[24, 8],
+        )
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_plan_groups_tokens_into_chunks() -> None:
+    from engine.kernels_triton import chunk_capacity, plan_segments
+
+    slots = [3, -1, 3, 0, 3, 3, 0]
+    plan = plan_segments(slots, "cpu", block_m=2, num_chunks=chunk_capacity(len(slots), 4, 2))
+    lens = plan.chunk_len.tolist()
+    real = [i for i, n in enumerate(lens) if n]
+    chunks = {
+        (int(plan.chunk_slot[i]), tuple(plan.token_order[plan.chunk_start[i] : plan.chunk_start[i] + lens[i]].tolist()))
+        for i in real
+    }
+    assert chunks == {(3, (0, 2)), (3, (4, 5)), (0, (3, 6))}
+    assert plan.num_chunks == 8 and sum(lens) == 6
+
+    other = plan_segments([0] * 7, "cpu", block_m=2, num_chunks=plan.num_chunks)
+    plan.copy_(other)
+    assert plan.chunk_len.tolist() == [2, 2, 2, 1, 0, 0, 0, 0]
+    with pytest.raises(ValueError, match="chunks"):
+        plan_segments(list(range(7)), "cpu", block_m=2, num_chunks=3)
+
+
+@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="parent process only; needs triton")
+def test_triton_interpreted() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", f"{__file__}::TestInterpreted"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "skipped" not in proc.stdout and " passed" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs inside test_triton_interpreted's child process")
+class TestInterpreted:
+    """The triton kernels, interpreted on the CPU, on shapes that hit every mask and early exit."""
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    @pytest.mark.parametrize("name", sorted(CASES))
+    def test_shrink_and_expand(self, name: str, dtype: torch.dtype) -> None:
+        from engine import kernels_triton as kt
+
+        case = case_for(name, dtype)
+        tol = TOLERANCE[dtype]
+        # Padding chunks (length 0) must be no-ops; block_k 16 forces a K split with a ragged tail.
+        plan = kt.plan_segments(case.token_slots, "cpu", block_m=16, num_chunks=9)
+        shrink_cfg = kt.ShrinkConfig(block_k=16, programs_per_sm=16)
+        lr = case.a_stack.shape[1]
+        parts = kt.num_parts(case.x.shape[1], lr, plan, case.x.device, shrink_cfg)
+        assert parts > 1
+        h_parts = torch.zeros(parts, case.x.shape[0], lr)
+        kt.shrink(
+            case.x, case.a_stack, case.ranks, plan, num_slices=len(case.slice_sizes), out=h_parts,
+            config=shrink_cfg,
+        )
+        assert rel_err(h_parts.sum(0), expected_h(case)) < tol
+
+        y = case.y.clone()
+        kt.expand(
+            y, h_parts, case.b_stack, case.ranks, case.scalings, plan, slice_sizes=case.slice_sizes,
+            config=kt.ExpandConfig(block_n=16),
+        )
+        assert rel_err(y, expected_y(case)) < tol
+        untouched = (case.token_slots < 0) | (case.token_slots == 2)
+        assert torch.equal(y[untouched], case.y[untouched])
+
+    def test_one_adapter_prefill_chunks(self) -> None:
+        from engine import kernels_triton as kt
+
+        slots = [0] * 40 + [-1] * 3
+        case = make_case(torch.float32, [16], 16, 32, [32], slots, seed=7)
+        plan = kt.plan_segments(case.token_slots, "cpu", block_m=16)
+        assert plan.num_chunks == 3
+        y = case.y.clone()
+        h = kt.shrink(case.x, case.a_stack, case.ranks, plan)
+        kt.expand(y, h, case.b_stack, case.ranks, case.scalings, plan, config=kt.ExpandConfig(block_n=16))
+        assert rel_err(y, expected_y(case)) < TOLERANCE[torch.float32]

@@ -1,0 +1,231 @@
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gateway.errors import InvalidRequest, NotFound, PermissionDenied
+from gateway.registry import (
+    AdapterInstance,
+    AdapterVersion,
+    Registry,
+    ResolvedAdapter,
+    parse_manifests,
+)
+
+MANIFESTS = """\
+apiVersion: adapter.ai/v1
+kind: AdapterInstance
+metadata: {name: pirate}
+spec:
+  baseModel: smollm2-135m-instruct
+  allowedTenants: ["*"]
+  scopes: ["chat", "completions"]
+  priority: 0
+  pin: false
+  pinnedVersion: null
+  versions:
+    - {name: v1, source: engine/demo_adapters/pirate, weight: 90}
+    - {name: v2, source: /models/pirate-v2, weight: 10}
+---
+apiVersion: adapter.ai/v1
+kind: AdapterInstance
+metadata: {name: shout}
+spec:
+  baseModel: smollm2-135m-instruct
+  allowedTenants: [acme]
+  scopes: [chat]
+  priority: 2
+  pin: true
+  versions:
+    - {name: v1, source: shout-v1, weight: 1}
+    - {name: v2, source: shout-v2, weight: 0}
+"""
+
+
+@pytest.fixture
+def registry() -> Iterator[Registry]:
+    reg = Registry.open(":memory:")
+    for instance in parse_manifests(MANIFESTS):
+        reg.apply(instance)
+    yield reg
+    reg.close()
+
+
+def _doc(**spec_changes: object) -> dict[str, object]:
+    spec: dict[str, object] = {
+        "baseModel": "m",
+        "versions": [{"name": "v1", "source": "s", "weight": 1}],
+    }
+    spec.update(spec_changes)
+    return {"apiVersion": "adapter.ai/v1", "kind": "AdapterInstance", "metadata": {"name": "a"}, "spec": spec}
+
+
+def test_parse_reads_every_field() -> None:
+    pirate, shout = parse_manifests(MANIFESTS)
+    assert pirate == AdapterInstance(
+        name="pirate",
+        base_model="smollm2-135m-instruct",
+        versions=(
+            AdapterVersion("v1", "engine/demo_adapters/pirate", 90),
+            AdapterVersion("v2", "/models/pirate-v2", 10),
+        ),
+    )
+    assert (shout.allowed_tenants, shout.scopes, shout.priority, shout.pin) == (("acme",), ("chat",), 2, True)
+
+
+def test_dict_round_trip_is_the_manifest_shape() -> None:
+    for instance in parse_manifests(MANIFESTS):
+        data = json.loads(json.dumps(instance.to_dict()))
+        assert AdapterInstance.from_dict(data) == instance
+        assert parse_manifests(yaml.safe_dump(data)) == [instance]
+
+
+def test_parse_skips_empty_documents_and_accepts_json() -> None:
+    assert [i.name for i in parse_manifests("---\n" + MANIFESTS + "\n---\n")] == ["pirate", "shout"]
+    assert parse_manifests(json.dumps(_doc()))[0].name == "a"
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("a: [", "not valid YAML"),
+        ("", "no AdapterInstance documents"),
+        ("- 1", "document 1: manifest: must be a mapping"),
+        (json.dumps({**_doc(), "apiVersion": "v2"}), "apiVersion: must be 'adapter.ai/v1'"),
+        (json.dumps({**_doc(), "kind": "Pod"}), "kind: must be 'AdapterInstance'"),
+        (json.dumps({**_doc(), "metadata": {}}), "metadata.name"),
+        (json.dumps({**_doc(), "metadata": {"name": "Pirate"}}), "metadata.name"),
+        (json.dumps({**_doc(), "metadata": {"name": "x" * 64}}), "metadata.name"),
+        (json.dumps({**_doc(), "metadata": {"name": "a", "labels": {}}}), "metadata.labels: unknown field"),
+        (json.dumps({**_doc(), "extra": 1}), "extra: unknown field"),
+        (json.dumps(_doc(baseModel="")), "spec.baseModel"),
+        (json.dumps(_doc(versions=[])), "spec.versions: must be a non-empty list"),
+        (json.dumps(_doc(versions=[{"name": "v1", "source": "s", "weight": 0}])), "add up to more than 0"),
+        (json.dumps(_doc(versions=[{"name": "v1", "source": "s", "weight": -1}])), "versions[0].weight"),
+        (json.dumps(_doc(versions=[{"name": "v1", "source": "s"}])), "versions[0].weight: required"),
+        (json.dumps(_doc(versions=[{"name": "v@1", "source": "s", "weight": 1}])), "versions[0].name"),
+        (json.dumps(_doc(versions=[{"name": "v1", "weight": 1}])), "versions[0].source"),
+        (
+            json.dumps(_doc(versions=[{"name": "v1", "source": "s", "weight": 1}] * 2)),
+            "versions[1].name: duplicate version 'v1'",
+        ),
+        (json.dumps(_doc(pinnedVersion="v9")), "spec.pinnedVersion: 'v9'"),
+        (json.dumps(_doc(priority="high")), "spec.priority"),
+        (json.dumps(_doc(pin="yes")), "spec.pin"),
+        (json.dumps(_doc(allowedTenants="acme")), "spec.allowedTenants"),
+        (json.dumps(_doc(scopes=[""])), "spec.scopes"),
+        (json.dumps(_doc(pinnedVerison="v1")), "spec.pinnedVerison: unknown field"),
+        (MANIFESTS + "---\n" + MANIFESTS.split("---")[0], "document 3: adapter 'pirate' appears twice"),
+    ],
+)
+def test_parse_names_what_is_wrong(text: str, fragment: str) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_manifests(text)
+    assert fragment in caught.value.message
+
+
+def test_apply_bumps_generation_and_get_list(registry: Registry) -> None:
+    assert registry.get("pirate").generation == 1
+    changed = dataclasses.replace(registry.get("pirate"), pinned_version="v2")
+    stored = registry.apply(changed)
+    assert stored.generation == 2
+    assert registry.get("pirate") == stored
+    assert [i.name for i in registry.list()] == ["pirate", "shout"]
+
+
+def test_get_and_delete_unknown(registry: Registry) -> None:
+    with pytest.raises(NotFound, match="'nope'"):
+        registry.get("nope")
+    with pytest.raises(NotFound):
+        registry.delete("nope")
+    registry.delete("shout")
+    with pytest.raises(NotFound):
+        registry.get("shout")
+
+
+def test_survives_restart(tmp_path: Path) -> None:
+    path = str(tmp_path / "registry.sqlite")
+    reg = Registry.open(path)
+    for instance in parse_manifests(MANIFESTS):
+        reg.apply(instance)
+    reg.apply(reg.get("pirate"))
+    reg.delete("shout")
+    reg.close()
+    reopened = Registry.open(path)
+    pirate = reopened.get("pirate")
+    assert pirate.generation == 2
+    assert pirate.versions == parse_manifests(MANIFESTS)[0].versions
+    assert [i.name for i in reopened.list()] == ["pirate"]
+    assert reopened.apply(pirate).generation == 3
+    reopened.close()
+
+
+def test_resolve_permissions_and_scope(registry: Registry) -> None:
+    with pytest.raises(NotFound):
+        registry.resolve("nope", "acme", None)
+    with pytest.raises(PermissionDenied, match="tenant 'other' may not use adapter 'shout'"):
+        registry.resolve("shout", "other", None)
+    assert registry.resolve("shout", "acme", None, scope="chat").version == "v1"
+    with pytest.raises(PermissionDenied, match="completions"):
+        registry.resolve("shout", "acme", None, scope="completions")
+    assert registry.resolve("pirate", "anyone", "k") in (
+        ResolvedAdapter("pirate", "v1", "engine/demo_adapters/pirate", "pirate@v1", False, 0),
+        ResolvedAdapter("pirate", "v2", "/models/pirate-v2", "pirate@v2", False, 0),
+    )
+
+
+def test_split_follows_weights_and_is_sticky(registry: Registry) -> None:
+    keyed = collections.Counter(registry.resolve("pirate", "t", f"user-{i}").version for i in range(5000))
+    assert 0.08 < keyed["v2"] / 5000 < 0.12
+    unkeyed = collections.Counter(registry.resolve("pirate", "t", None).version for _ in range(5000))
+    assert 0.08 < unkeyed["v2"] / 5000 < 0.12
+    for i in range(200):
+        first = registry.resolve("pirate", "t", f"user-{i}").version
+        assert all(registry.resolve("pirate", "t", f"user-{i}").version == first for _ in range(5))
+
+
+def test_zero_weight_version_gets_no_traffic(registry: Registry) -> None:
+    assert {registry.resolve("shout", "acme", f"k{i}").version for i in range(500)} == {"v1"}
+
+
+def test_pinned_version_overrides_weights(registry: Registry) -> None:
+    registry.apply(dataclasses.replace(registry.get("pirate"), pinned_version="v2"))
+    assert {registry.resolve("pirate", "t", f"k{i}").version for i in range(200)} == {"v2"}
+    assert {registry.resolve("pirate", "t", None).version for _ in range(200)} == {"v2"}
+
+
+def test_versions_in_use(registry: Registry) -> None:
+    assert [(r.engine_name, r.pin, r.priority) for r in registry.versions_in_use()] == [
+        ("pirate@v1", False, 0),
+        ("pirate@v2", False, 0),
+        ("shout@v1", True, 2),
+    ]
+    registry.apply(dataclasses.replace(registry.get("pirate"), pinned_version="v2"))
+    registry.apply(dataclasses.replace(registry.get("shout"), pinned_version="v2"))
+    assert [r.engine_name for r in registry.versions_in_use()] == ["pirate@v2", "shout@v2"]
+
+
+def test_listeners_called_after_apply_and_delete(registry: Registry, caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[tuple[str, int]] = []
+
+    def broken(name: str) -> None:
+        raise RuntimeError("listener bug")
+
+    def record(name: str) -> None:
+        # Called after the change is visible.
+        seen.append((name, len(registry.list())))
+
+    registry.add_listener(broken)
+    registry.add_listener(record)
+    with caplog.at_level(logging.ERROR, logger="gateway.registry"):
+        registry.apply(parse_manifests(MANIFESTS.replace("name: pirate", "name: french"))[0])
+        registry.delete("shout")
+    assert seen == [("french", 3), ("shout", 2)]
+    assert "listener failed" in caplog.text
