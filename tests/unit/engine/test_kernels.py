@@ -122,14 +122,18 @@ def test_cpu_front_matches_reference(name: str, dtype: torch.dtype) -> None:
     assert torch.all(h[case.token_slots < 0] == 0)
 
     y = case.y.clone()
-    kernels.lora_expand(
-        y, h, case.b_stack, case.ranks, case.scalings, case.token_slots, slice_sizes=case.slice_sizes
-    )
+    kernels.lora_expand(y, h, case.b_stack, case.ranks, case.scalings, case.token_slots, slice_sizes=case.slice_sizes)
     assert rel_err(y, expected_y(case)) < tol
 
     y = case.y.clone()
     kernels.lora_apply(
-        y, case.x, case.a_stack, case.b_stack, case.ranks, case.scalings, case.token_slots,
+        y,
+        case.x,
+        case.a_stack,
+        case.b_stack,
+        case.ranks,
+        case.scalings,
+        case.token_slots,
         slice_sizes=case.slice_sizes,
     )
     assert rel_err(y, expected_y(case)) < tol
@@ -152,7 +156,13 @@ def test_no_lora_tokens_leave_y_alone() -> None:
     case = case_for("qkv-slices", torch.float32, token_slots=[-1] * 5)
     y = case.y.clone()
     kernels.lora_apply(
-        y, case.x, case.a_stack, case.b_stack, case.ranks, case.scalings, case.token_slots,
+        y,
+        case.x,
+        case.a_stack,
+        case.b_stack,
+        case.ranks,
+        case.scalings,
+        case.token_slots,
         slice_sizes=case.slice_sizes,
     )
     assert torch.equal(y, case.y)
@@ -162,7 +172,13 @@ def test_slice_sizes_must_cover_b() -> None:
     case = case_for("qkv-slices", torch.float32)
     with pytest.raises(ValueError, match="slice_sizes"):
         kernels.lora_apply(
-            case.y.clone(), case.x, case.a_stack, case.b_stack, case.ranks, case.scalings, case.token_slots,
+            case.y.clone(),
+            case.x,
+            case.a_stack,
+            case.b_stack,
+            case.ranks,
+            case.scalings,
+            case.token_slots,
             slice_sizes=[24, 8],
         )
 
@@ -223,14 +239,25 @@ class TestInterpreted:
         assert parts > 1
         h_parts = torch.zeros(parts, case.x.shape[0], lr)
         kt.shrink(
-            case.x, case.a_stack, case.ranks, plan, num_slices=len(case.slice_sizes), out=h_parts,
+            case.x,
+            case.a_stack,
+            case.ranks,
+            plan,
+            num_slices=len(case.slice_sizes),
+            out=h_parts,
             config=shrink_cfg,
         )
         assert rel_err(h_parts.sum(0), expected_h(case)) < tol
 
         y = case.y.clone()
         kt.expand(
-            y, h_parts, case.b_stack, case.ranks, case.scalings, plan, slice_sizes=case.slice_sizes,
+            y,
+            h_parts,
+            case.b_stack,
+            case.ranks,
+            case.scalings,
+            plan,
+            slice_sizes=case.slice_sizes,
             config=kt.ExpandConfig(block_n=16),
         )
         assert rel_err(y, expected_y(case)) < tol

@@ -1,0 +1,138 @@
+"""Engine behaviour on the real model: continuous batching, stops, limits, abort, cold adapter loads."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import engine.pool as pool_module
+from engine.engine import EngineError, LLMEngine
+from engine.sampling import SamplingParams
+from tests.integration.engine.conftest import run
+from tests.unit.engine.tiny import write_adapter
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def chat(engine: LLMEngine, text: str) -> list[int]:
+    return engine.tokenizer.encode_chat([("user", text)])
+
+
+def test_requests_join_a_running_batch_and_match_their_solo_output(engine: LLMEngine) -> None:
+    long_prompt, short_prompt = chat(engine, "Describe the sea."), chat(engine, "Name a fruit.")
+    solo_long = run(engine, "solo-long", long_prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+    solo_long.wait()
+    solo_short = run(engine, "solo-short", short_prompt, GREEDY)
+    solo_short.wait()
+
+    steps_before = engine.steps
+    a = run(engine, "a", long_prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+    while len(a.outputs) < 5:
+        time.sleep(0.005)
+    b = run(engine, "b", short_prompt, GREEDY)  # joins while `a` is decoding
+    b.wait()
+    assert not a.done.is_set(), "b should finish while a is still running"
+    a.wait()
+    assert a.token_ids == solo_long.token_ids
+    assert b.token_ids == solo_short.token_ids
+    # Shared steps: far fewer than running the two requests back to back.
+    assert engine.steps - steps_before < 40 + 24
+
+
+def test_max_tokens_gives_length_and_usage(engine: LLMEngine) -> None:
+    prompt = chat(engine, "Count to twenty.")
+    last = run(engine, "len", prompt, SamplingParams(max_tokens=5, ignore_eos=True)).wait()
+    assert last.finish_reason == "length"
+    assert (last.prompt_tokens, last.completion_tokens) == (len(prompt), 5)
+
+
+def test_stop_string_ends_and_is_not_returned(engine: LLMEngine) -> None:
+    prompt = chat(engine, "What is the capital of France?")
+    full = run(engine, "full", prompt, SamplingParams(max_tokens=20))
+    full.wait()
+    assert "Paris" in full.text
+    stopped = run(engine, "stop", prompt, SamplingParams(max_tokens=20, stop=("Paris",)))
+    last = stopped.wait()
+    assert last.finish_reason == "stop"
+    assert stopped.text == full.text[: full.text.index("Paris")]
+
+
+def test_abort_ends_the_request_promptly(engine: LLMEngine) -> None:
+    sink = run(engine, "abort-me", chat(engine, "Write a long story."), SamplingParams(max_tokens=200, ignore_eos=True))
+    while len(sink.outputs) < 2:
+        time.sleep(0.005)
+    assert engine.abort("abort-me")
+    assert sink.wait(timeout=5).finish_reason == "abort"
+    assert len(sink.token_ids) < 200
+    assert not engine.abort("abort-me")
+
+
+def test_bad_requests_are_refused_with_reasons(engine: LLMEngine) -> None:
+    with pytest.raises(EngineError) as unknown:
+        run(engine, "u", [1, 2, 3], GREEDY, adapter="no-such-adapter")
+    assert unknown.value.code == "NOT_FOUND"
+    with pytest.raises(EngineError) as long:
+        run(engine, "l", [1] * 300, GREEDY)
+    assert long.value.code == "INVALID_ARGUMENT" and "context" in long.value.message
+    with pytest.raises(EngineError) as bad_ids:
+        run(engine, "i", [1, 10**9], GREEDY)
+    assert bad_ids.value.code == "INVALID_ARGUMENT"
+
+
+def test_more_requests_than_kv_slots_wait_then_finish(engine: LLMEngine) -> None:
+    prompt = chat(engine, "Say hello.")
+    sinks = [run(engine, f"kv-{i}", prompt, SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(8)]
+    assert all(s.wait().finish_reason == "length" for s in sinks)
+    # Beyond max_waiting the engine refuses instead of queueing forever.
+    many = [SamplingParams(max_tokens=30, ignore_eos=True)] * 16
+    accepted, refused = [], 0
+    for i, p in enumerate(many):
+        try:
+            accepted.append(run(engine, f"flood-{i}", prompt, p))
+        except EngineError as exc:
+            assert exc.code == "RESOURCE_EXHAUSTED"
+            refused += 1
+    assert refused > 0
+    assert all(s.wait().finish_reason == "length" for s in accepted)
+
+
+def test_cold_adapter_never_stalls_other_requests(
+    engine: LLMEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = threading.Event()
+    real_load = pool_module.load_adapter
+
+    def slow_load(*args, **kwargs):  # type: ignore[no-untyped-def]
+        release.wait(10)  # a slow disk: the load finishes only when the test says so
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(pool_module, "load_adapter", slow_load)
+    engine.load_adapter("cold", str(write_adapter(tmp_path / "cold", arch=engine.arch, rank=8, seed=5)))
+    base = run(engine, "warm-base", chat(engine, "Tell me about cats."), SamplingParams(max_tokens=60, ignore_eos=True))
+    while len(base.outputs) < 2:
+        time.sleep(0.005)
+    cold = run(engine, "cold-req", chat(engine, "Tell me about dogs."), GREEDY, adapter="cold")  # admitted at once
+    produced_before = len(base.outputs)
+    time.sleep(0.5)
+    assert len(base.outputs) > produced_before + 3, "base request stalled while the adapter was loading"
+    assert not cold.outputs
+    release.set()
+    assert cold.wait().finish_reason == "length"
+    assert len(cold.token_ids) == GREEDY.max_tokens
+    base.wait()
+    engine.unload_adapter("cold")
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(engine: LLMEngine) -> None:
+    prompt = chat(engine, "Invent a name for a cat.")
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = run(engine, "seed-alone", prompt, params)
+    alone.wait()
+    neighbour = run(engine, "seed-neighbour", chat(engine, "Hi"), SamplingParams(max_tokens=30, temperature=1.0))
+    together = run(engine, "seed-together", prompt, params)
+    together.wait()
+    neighbour.wait()
+    assert together.token_ids == alone.token_ids

@@ -1,0 +1,92 @@
+"""Adapter pool: background loads, slot eviction, pinning, hot swap and failed loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.adapters import AdapterError
+from engine.lora import LoRAStacks
+from engine.pool import AdapterPool, AdapterState
+from tests.unit.engine.tiny import TINY, write_adapter
+
+
+@pytest.fixture
+def pool() -> AdapterPool:
+    stacks = LoRAStacks(TINY, slots=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    p = AdapterPool(TINY, stacks, torch.float32, host_capacity=8)
+    yield p
+    p.close()
+
+
+def _loaded(pool: AdapterPool, name: str, folder: Path, pin: bool = False):  # type: ignore[no-untyped-def]
+    version = pool.register(name, folder, pin)
+    pool.wait_loaded(version, timeout=10)
+    return version
+
+
+def test_register_loads_in_background_then_acquires_a_slot(pool: AdapterPool, tmp_path: Path) -> None:
+    version = _loaded(pool, "a", write_adapter(tmp_path / "a"))
+    assert version.state is AdapterState.HOST
+    slot = pool.acquire(version)
+    assert slot is not None and version.state is AdapterState.RESIDENT
+    assert pool.acquire(version) == slot  # a second request shares the slot
+    assert version.active == 2
+
+
+def test_idle_adapter_is_evicted_least_recently_used_first(pool: AdapterPool, tmp_path: Path) -> None:
+    a, b, c = (_loaded(pool, n, write_adapter(tmp_path / n, seed=i)) for i, n in enumerate("abc"))
+    for v in (a, b):
+        pool.acquire(v)
+        pool.release(v, tokens=1)
+    pool.acquire(b)  # b is busy again and more recent
+    assert pool.acquire(c) is not None
+    assert a.slot is None and b.slot is not None and c.slot is not None
+
+
+def test_busy_and_pinned_adapters_are_never_evicted(pool: AdapterPool, tmp_path: Path) -> None:
+    a = _loaded(pool, "a", write_adapter(tmp_path / "a"), pin=True)
+    b = _loaded(pool, "b", write_adapter(tmp_path / "b", seed=1))
+    c = _loaded(pool, "c", write_adapter(tmp_path / "c", seed=2))
+    pool.acquire(a)
+    pool.release(a, tokens=1)  # idle but pinned
+    pool.acquire(b)            # busy
+    assert pool.acquire(c) is None
+
+
+def test_hot_swap_keeps_old_version_until_its_requests_finish(pool: AdapterPool, tmp_path: Path) -> None:
+    old = _loaded(pool, "x", write_adapter(tmp_path / "v1", seed=1))
+    slot = pool.acquire(old)
+    assert slot is not None
+    new = _loaded(pool, "x", write_adapter(tmp_path / "v2", seed=2))
+    assert pool.lookup("x") is new and old.retired
+    assert old.slot == slot  # still serving its in-flight request
+    pool.release(old, tokens=3)
+    assert old.slot is None and old.weights is None  # memory released after the last request
+
+
+def test_failed_load_is_reported(pool: AdapterPool, tmp_path: Path) -> None:
+    folder = write_adapter(tmp_path / "a")
+    version = pool.register("a", folder)
+    pool.wait_loaded(version, timeout=10)
+    pool.unregister("a")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    tensors[next(iter(tensors))][0, 0] = float("inf")
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    broken = pool.register("a", folder)
+    with pytest.raises(AdapterError, match="NaN or infinite"):
+        pool.wait_loaded(broken, timeout=10)
+    assert broken.state is AdapterState.FAILED
+
+
+def test_many_concurrent_requests_for_a_cold_adapter_cause_one_load(pool: AdapterPool, tmp_path: Path) -> None:
+    version = pool.register("a", write_adapter(tmp_path / "a"))
+    before = pool.loads_started
+    for _ in range(20):
+        pool.ready(version)
+    pool.wait_loaded(version, timeout=10)
+    assert pool.loads_started == before
