@@ -33,13 +33,18 @@ class LoRAStacks:
     """Preallocated stacked adapter weights for `slots` adapters of rank <= `max_rank`."""
 
     def __init__(self, arch: ModelArch, slots: int, max_rank: int, dtype: torch.dtype, device: torch.device):
-        self.slots, self.max_rank = slots, max_rank
+        self.slots, self.max_rank, self.dtype = slots, max_rank, dtype
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
+        self.bt: dict[tuple[int, str], torch.Tensor] = {}
         for layer in range(arch.num_layers):
             for module, (fan_in, fan_out) in arch.projection_shapes().items():
                 self.a[(layer, module)] = torch.zeros(slots, max_rank, fan_in, dtype=dtype, device=device)
                 self.b[(layer, module)] = torch.zeros(slots, fan_out, max_rank, dtype=dtype, device=device)
+                if device.type == "cpu":
+                    # B^T of every slot side by side, [slots * max_rank, out]: the CPU decode path multiplies
+                    # by all slots at once instead of one small matmul per adapter.
+                    self.bt[(layer, module)] = torch.zeros(slots * max_rank, fan_out, dtype=dtype, device=device)
         self.ranks = torch.zeros(slots, dtype=torch.int32, device=device)
         self.scalings = torch.zeros(slots, dtype=torch.float32, device=device)
         # Host-side copies so the CPU path never synchronises to read a rank.
@@ -56,6 +61,8 @@ class LoRAStacks:
         for key, (a, b) in adapter.tensors.items():
             self.a[key][slot, :r].copy_(a, non_blocking=True)
             self.b[key][slot, :, :r].copy_(b, non_blocking=True)
+            if key in self.bt:
+                self.bt[key][slot * self.max_rank: slot * self.max_rank + r].copy_(b.t())
         self.ranks[slot] = r
         self.scalings[slot] = adapter.scaling
         self.slot_ranks[slot] = r
@@ -72,6 +79,9 @@ class LoRAStacks:
                 for (_, m), b in self.b.items():
                     if m == module:
                         b[slot].zero_()
+                for (_, m), bt in self.bt.items():
+                    if m == module:
+                        bt[slot * self.max_rank: (slot + 1) * self.max_rank].zero_()
         self.ranks[slot] = 0
         self.scalings[slot] = 0.0
         self.slot_ranks[slot] = 0
@@ -91,6 +101,14 @@ class LoRABatch:
                 groups.setdefault(s, []).append(t)
         self.segments = [_Segment.of(stacks, s, rows, len(token_slots), device) for s, rows in groups.items()]
         self.modules: frozenset[str] = frozenset().union(*(seg.modules for seg in self.segments))
+        # Many adapters over few tokens (decode) on the CPU: multiply by every slot at once and keep each
+        # token's own slot through a scaled one-hot mask; 3 ops per projection whatever the adapter count.
+        self.dense_mask: torch.Tensor | None = None
+        if stacks.bt and len(self.segments) > 1 and len(token_slots) <= _DENSE_MAX_TOKENS:
+            mask = torch.zeros(len(token_slots), stacks.slots, 1, dtype=stacks.dtype, device=device)
+            for seg in self.segments:
+                mask[seg.rows, seg.slot] = seg.scaling
+            self.dense_mask = mask
 
     @staticmethod
     def build(stacks: LoRAStacks, token_slots: list[int], device: torch.device) -> LoRABatch | None:
@@ -104,6 +122,11 @@ class LoRABatch:
         if module not in self.modules:
             return
         a_stack, b_stack = self.stacks.a[(layer, module)], self.stacks.b[(layer, module)]
+        if self.dense_mask is not None:
+            slots, rank = a_stack.shape[0], a_stack.shape[1]
+            h = (x @ a_stack.view(slots * rank, -1).t()).view(-1, slots, rank) * self.dense_mask
+            y.addmm_(h.view(-1, slots * rank), self.stacks.bt[(layer, module)])
+            return
         # Grouped path (kernels.lora_apply_grouped's semantics): one pair of matmuls per adapter present,
         # over its true rank only; contiguous rows (prefill, single adapter) avoid gather/scatter copies.
         for seg in self.segments:
@@ -117,6 +140,9 @@ class LoRABatch:
             else:
                 delta = (x.index_select(0, seg.rows) @ a.t()) @ b.t()
                 y.index_add_(0, seg.rows, delta, alpha=seg.scaling)
+
+
+_DENSE_MAX_TOKENS = 64
 
 
 @dataclass(frozen=True, slots=True)

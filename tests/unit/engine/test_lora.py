@@ -36,6 +36,7 @@ def stacks() -> LoRAStacks:
         [-1, 0, 1, -1, 3, 1, 0],            # mixed, interleaved, base rows
         [1, 1, 1, 3, 3, 0, 0, 0, -1, -1],   # prefill-like segments of different ranks
         [-1, -1],                           # base only
+        [0] * 40 + [1] * 30 + [-1] * 5 + [3] * 2,  # long prefill: the grouped (per-adapter) path
     ],
 )
 @pytest.mark.parametrize("module", ["q_proj", "k_proj", "v_proj", "down_proj"])
@@ -70,6 +71,13 @@ def test_set_and_reset_lora(stacks: LoRAStacks) -> None:
 def test_rank_above_max_is_refused(stacks: LoRAStacks) -> None:
     with pytest.raises(ValueError, match="max_lora_rank"):
         stacks.set_lora(2, random_adapter(16, 1.0, ("q_proj",), seed=4))
+
+
+def test_cpu_decode_uses_the_dense_path_and_prefill_the_grouped_one(stacks: LoRAStacks) -> None:
+    decode = LoRABatch.build(stacks, [0, 1, 3, -1], torch.device("cpu"))
+    prefill = LoRABatch.build(stacks, [0] * 60 + [1] * 60, torch.device("cpu"))
+    assert decode is not None and decode.dense_mask is not None
+    assert prefill is not None and prefill.dense_mask is None
 
 
 def test_pure_base_step_has_no_lora_batch(stacks: LoRAStacks) -> None:
