@@ -21,14 +21,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
-from engine.loader import packaged_smollm2  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from engine.sequence import RequestOutput  # noqa: E402
-from tests.unit.engine.tiny import write_adapter  # noqa: E402
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.loader import packaged_smollm2
+from engine.sampling import SamplingParams
+from engine.sequence import RequestOutput
+from tests.unit.engine.tiny import write_adapter
 
 PROMPT = "Write a short poem about the sea."
 ADAPTER_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -54,14 +54,20 @@ def engine_tokens_per_s(engine: LLMEngine, adapters: list[str | None], tokens: i
 
 def hf_tokens_per_s(model: torch.nn.Module, tokenizer: object, adapters: list[str], tokens: int) -> float:
     text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
+    )
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids  # type: ignore[operator]
     batch = ids.repeat(len(adapters), 1)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(  # type: ignore[operator]
-            input_ids=batch, attention_mask=torch.ones_like(batch), max_new_tokens=tokens, min_new_tokens=tokens,
-            do_sample=False, adapter_names=adapters, pad_token_id=2,
+            input_ids=batch,
+            attention_mask=torch.ones_like(batch),
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            adapter_names=adapters,
+            pad_token_id=2,
         )
     assert out.shape[1] - batch.shape[1] == tokens
     return len(adapters) * tokens / (time.perf_counter() - start)
@@ -73,17 +79,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
-          f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}"
+    )
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-adapters-"))
-    engine = LLMEngine(EngineConfig(max_num_seqs=32, max_model_len=256, max_num_batched_tokens=4096,
-                                    lora_slots=8, max_lora_rank=16))
+    engine = LLMEngine(
+        EngineConfig(max_num_seqs=32, max_model_len=256, max_num_batched_tokens=4096, lora_slots=8, max_lora_rank=16)
+    )
     engine.start()
     paths = {}
     for i in range(8):
-        paths[f"a{i}"] = write_adapter(tmp / f"a{i}", arch=engine.arch, rank=16, alpha=16,
-                                       modules=ADAPTER_MODULES, seed=i)
+        paths[f"a{i}"] = write_adapter(
+            tmp / f"a{i}", arch=engine.arch, rank=16, alpha=16, modules=ADAPTER_MODULES, seed=i
+        )
         engine.load_adapter(f"a{i}", str(paths[f"a{i}"]), wait=True)
     distinct: list[str | None] = [f"a{i}" for i in range(8)]
     configs: dict[str, list[str | None]] = {
@@ -116,7 +126,8 @@ def main() -> None:
             results[name].append(engine_tokens_per_s(engine, adapters, args.tokens))
         if hf is not None:
             results["transformers+peft, 8 distinct adapters"].append(
-                hf_tokens_per_s(hf[0], hf[1], [f"a{i}" for i in range(8)], args.tokens))
+                hf_tokens_per_s(hf[0], hf[1], [f"a{i}" for i in range(8)], args.tokens)
+            )
     engine.stop()
 
     med = {name: statistics.median(v) for name, v in results.items() if v}
@@ -127,9 +138,12 @@ def main() -> None:
     print(f"  batch 8 / batch 1 (base)                    {med['base, batch 8'] / med['base, batch 1']:.2f}x")
     print(f"  batch 32 / batch 1 (base)                   {med['base, batch 32'] / med['base, batch 1']:.2f}x")
     one = med["8 requests, one adapter"]
-    print(f"  8 distinct adapters / one adapter           {med['8 requests, 8 distinct adapters'] / one:.2f}x"
-          "  (goal >= 0.85x)")
-    print(f"  8 distinct adapters / base only             {med['8 requests, 8 distinct adapters'] / med['base, batch 8']:.2f}x")
+    print(
+        f"  8 distinct adapters / one adapter           {med['8 requests, 8 distinct adapters'] / one:.2f}x"
+        "  (goal >= 0.85x)"
+    )
+    vs_base = med["8 requests, 8 distinct adapters"] / med["base, batch 8"]
+    print(f"  8 distinct adapters / base only             {vs_base:.2f}x")
     if "transformers+peft, 8 distinct adapters" in med:
         ratio = med["8 requests, 8 distinct adapters"] / med["transformers+peft, 8 distinct adapters"]
         print(f"  ours / transformers+peft (8 distinct)       {ratio:.2f}x  (goal >= 1.2x)")

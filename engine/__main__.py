@@ -20,8 +20,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051, help="0 picks a free port (see --ready-file)")
     parser.add_argument("--ready-file", type=Path, help='write {"port": N, "pid": P} here once serving')
-    parser.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
-                        help="register a PEFT adapter at start (repeatable)")
+    parser.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="register a PEFT adapter at start (repeatable)",
+    )
     defaults = EngineConfig()
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
@@ -60,9 +65,11 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format='{"ts": "%(asctime)s", "level": "%(levelname)s", "logger": "%(name)s", '
-                               '"msg": "%(message)s"}')
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format='{"ts": "%(asctime)s", "level": "%(levelname)s", "logger": "%(name)s", "msg": "%(message)s"}',
+    )
     args = build_parser().parse_args(argv)
     try:
         EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}).validate()

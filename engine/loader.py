@@ -39,8 +39,11 @@ _GGUF_LAYER_NAMES = {
 _HF_LAYER_NAMES = {
     "input_layernorm.weight": "input_norm.weight",
     "post_attention_layernorm.weight": "post_norm.weight",
-    **{f"self_attn.{p}.{kind}": f"{p}.{kind}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")
-       for kind in ("weight", "bias")},
+    **{
+        f"self_attn.{p}.{kind}": f"{p}.{kind}"
+        for p in ("q_proj", "k_proj", "v_proj", "o_proj")
+        for kind in ("weight", "bias")
+    },
     **{f"mlp.{p}.weight": f"{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")},
 }
 
@@ -113,8 +116,7 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     # the rotate-half layout, so undo it for q and k of Llama-architecture files.
     out_features, in_features = w.shape
     head_dim = out_features // n_heads
-    return (w.reshape(n_heads, head_dim // 2, 2, in_features).swapaxes(1, 2)
-            .reshape(out_features, in_features))
+    return w.reshape(n_heads, head_dim // 2, 2, in_features).swapaxes(1, 2).reshape(out_features, in_features)
 
 
 def _load_gguf(path: Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:

@@ -62,7 +62,7 @@ class LoRAStacks:
             self.a[key][slot, :r].copy_(a, non_blocking=True)
             self.b[key][slot, :, :r].copy_(b, non_blocking=True)
             if key in self.bt:
-                self.bt[key][slot * self.max_rank: slot * self.max_rank + r].copy_(b.t())
+                self.bt[key][slot * self.max_rank : slot * self.max_rank + r].copy_(b.t())
         self.ranks[slot] = r
         self.scalings[slot] = adapter.scaling
         self.slot_ranks[slot] = r
@@ -81,7 +81,7 @@ class LoRAStacks:
                         b[slot].zero_()
                 for (_, m), bt in self.bt.items():
                     if m == module:
-                        bt[slot * self.max_rank: (slot + 1) * self.max_rank].zero_()
+                        bt[slot * self.max_rank : (slot + 1) * self.max_rank].zero_()
         self.ranks[slot] = 0
         self.scalings[slot] = 0.0
         self.slot_ranks[slot] = 0

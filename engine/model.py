@@ -85,26 +85,24 @@ class DecoderLayer(nn.Module):
         qkv = F.linear(normed, self.qkv_weight, self.qkv_bias)
         if lora is not None:
             lora.apply(self.index, "q_proj", normed, qkv[:, :q_size])
-            lora.apply(self.index, "k_proj", normed, qkv[:, q_size:q_size + kv_size])
-            lora.apply(self.index, "v_proj", normed, qkv[:, q_size + kv_size:])
+            lora.apply(self.index, "k_proj", normed, qkv[:, q_size : q_size + kv_size])
+            lora.apply(self.index, "v_proj", normed, qkv[:, q_size + kv_size :])
         tokens = x.shape[0]
         q = apply_rope(qkv[:, :q_size].view(tokens, arch.num_heads, arch.head_dim), cos, sin)
-        k = apply_rope(qkv[:, q_size:q_size + kv_size].view(tokens, arch.num_kv_heads, arch.head_dim), cos, sin)
-        v = qkv[:, q_size + kv_size:].view(tokens, arch.num_kv_heads, arch.head_dim)
+        k = apply_rope(qkv[:, q_size : q_size + kv_size].view(tokens, arch.num_kv_heads, arch.head_dim), cos, sin)
+        v = qkv[:, q_size + kv_size :].view(tokens, arch.num_kv_heads, arch.head_dim)
         attn = torch.empty(tokens, arch.num_heads, arch.head_dim, dtype=x.dtype, device=x.device)
         k_cache, v_cache = kv.k[self.index], kv.v[self.index]
         for s in seqs:
             rows = slice(s.start, s.start + s.length)
             past = s.context_len - s.length
-            k_cache[s.kv_slot, :, past:s.context_len] = k[rows].transpose(0, 1)
-            v_cache[s.kv_slot, :, past:s.context_len] = v[rows].transpose(0, 1)
-            keys = k_cache[s.kv_slot, :, :s.context_len].unsqueeze(0)
-            values = v_cache[s.kv_slot, :, :s.context_len].unsqueeze(0)
+            k_cache[s.kv_slot, :, past : s.context_len] = k[rows].transpose(0, 1)
+            v_cache[s.kv_slot, :, past : s.context_len] = v[rows].transpose(0, 1)
+            keys = k_cache[s.kv_slot, :, : s.context_len].unsqueeze(0)
+            values = v_cache[s.kv_slot, :, : s.context_len].unsqueeze(0)
             queries = q[rows].transpose(0, 1).unsqueeze(0)
             # Prompts are prefilled whole (no prefix), so a multi-token slice is exactly causal.
-            out = F.scaled_dot_product_attention(
-                queries, keys, values, is_causal=s.length > 1, enable_gqa=True
-            )
+            out = F.scaled_dot_product_attention(queries, keys, values, is_causal=s.length > 1, enable_gqa=True)
             attn[rows] = out[0].transpose(0, 1)
         attn_flat = attn.view(tokens, q_size)
         o = F.linear(attn_flat, self.o_weight)
@@ -133,8 +131,11 @@ class DecoderModel(nn.Module):
         self.embed = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = (None if arch.tie_embeddings else
-                        nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False))
+        self.lm_head = (
+            None
+            if arch.tie_embeddings
+            else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
+        )
         cos, sin = rope_tables(arch.head_dim, arch.max_position, arch.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

@@ -28,11 +28,11 @@ from engine.lora import AdapterWeights, LoRAStacks
 
 
 class AdapterState(enum.Enum):
-    REGISTERED = "registered"   # known, weights on disk only
-    LOADING = "loading"         # disk -> host read in flight
-    HOST = "host"               # weights in host memory
-    RESIDENT = "resident"       # weights in a LoRA slot
-    FAILED = "failed"           # the last load failed; `error` says why
+    REGISTERED = "registered"  # known, weights on disk only
+    LOADING = "loading"  # disk -> host read in flight
+    HOST = "host"  # weights in host memory
+    RESIDENT = "resident"  # weights in a LoRA slot
+    FAILED = "failed"  # the last load failed; `error` says why
 
 
 _ids = itertools.count(1)
@@ -50,8 +50,8 @@ class AdapterVersion:
     loading: Future[AdapterWeights] | None = None
     error: str | None = None
     slot: int | None = None
-    active: int = 0                 # running requests using the slot
-    retired: bool = False           # replaced or unloaded; freed once idle
+    active: int = 0  # running requests using the slot
+    retired: bool = False  # replaced or unloaded; freed once idle
     last_used: float = 0.0
     requests_served: int = 0
     tokens_generated: int = 0
@@ -189,8 +189,11 @@ class AdapterPool:
         for slot, holder in enumerate(self._slots):
             if holder is None:
                 return slot
-        idle = [(v.last_used, slot) for slot, v in enumerate(self._slots)
-                if v is not None and v.active == 0 and not v.pinned]
+        idle = [
+            (v.last_used, slot)
+            for slot, v in enumerate(self._slots)
+            if v is not None and v.active == 0 and not v.pinned
+        ]
         if not idle:
             return None
         _, slot = min(idle)

@@ -26,9 +26,15 @@ log = logging.getLogger("engine.server")
 
 def adapter_info(version: AdapterVersion, active: int | None = None) -> pb.AdapterInfo:
     return pb.AdapterInfo(
-        name=version.name, path=str(version.spec.path), rank=version.spec.rank, scaling=version.spec.scaling,
-        target_modules=sorted(version.spec.modules), state=version.state.value, pinned=version.pinned,
-        requests_served=version.requests_served, tokens_generated=version.tokens_generated,
+        name=version.name,
+        path=str(version.spec.path),
+        rank=version.spec.rank,
+        scaling=version.spec.scaling,
+        target_modules=sorted(version.spec.modules),
+        state=version.state.value,
+        pinned=version.pinned,
+        requests_served=version.requests_served,
+        tokens_generated=version.tokens_generated,
         active_requests=version.active if active is None else active,
     )
 
@@ -73,8 +79,11 @@ class EngineService(pb_grpc.EngineServicer):
                     finished = True
                     usage = pb.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)
                 yield pb.GenerateResponse(
-                    request_id=request_id, text=out.text, token_ids=out.token_ids,
-                    finish_reason=out.finish_reason or "", usage=usage,
+                    request_id=request_id,
+                    text=out.text,
+                    token_ids=out.token_ids,
+                    finish_reason=out.finish_reason or "",
+                    usage=usage,
                 )
                 if finished:
                     return
@@ -113,8 +122,12 @@ class EngineService(pb_grpc.EngineServicer):
             )
         wanted = s.max_tokens or self.engine.config.default_max_tokens
         return SamplingParams(
-            max_tokens=min(wanted, room), temperature=s.temperature, top_p=s.top_p if s.top_p > 0 else 1.0,
-            top_k=s.top_k, seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop),
+            max_tokens=min(wanted, room),
+            temperature=s.temperature,
+            top_p=s.top_p if s.top_p > 0 else 1.0,
+            top_k=s.top_k,
+            seed=s.seed if s.HasField("seed") else None,
+            stop=tuple(s.stop),
             ignore_eos=s.ignore_eos,
         )
 
@@ -148,9 +161,15 @@ class EngineService(pb_grpc.EngineServicer):
         e = self.engine
         s = e.stats()
         return pb.StatsResponse(
-            running_requests=s.running, waiting_requests=s.waiting, kv_blocks_total=s.kv_slots_total,
-            kv_blocks_used=s.kv_slots_used, adapters=[adapter_info(v) for v in e.pool.versions()],
-            model=e.model_name, max_model_len=e.max_model_len, lora_slots=e.config.lora_slots, steps=s.steps,
+            running_requests=s.running,
+            waiting_requests=s.waiting,
+            kv_blocks_total=s.kv_slots_total,
+            kv_blocks_used=s.kv_slots_used,
+            adapters=[adapter_info(v) for v in e.pool.versions()],
+            model=e.model_name,
+            max_model_len=e.max_model_len,
+            lora_slots=e.config.lora_slots,
+            steps=s.steps,
             tokens_generated=s.tokens_generated,
         )
 

@@ -72,6 +72,6 @@ class IncrementalDecoder:
         full = self._tokenizer.decode(self._ids)
         if full.endswith("\ufffd"):
             return ""
-        delta = full[len(self.text):] if full.startswith(self.text) else ""
+        delta = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text = full
         return delta

@@ -39,8 +39,9 @@ class Collector:
         return [t for o in self.outputs for t in o.token_ids]
 
 
-def run(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams,
-        adapter: str | None = None) -> Collector:
+def run(
+    engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams, adapter: str | None = None
+) -> Collector:
     sink = Collector()
     engine.add_request(request_id, prompt, params, adapter, sink)
     return sink
@@ -48,8 +49,11 @@ def run(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingP
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[LLMEngine]:
-    eng = LLMEngine(EngineConfig(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=512, max_waiting=8,
-                                 lora_slots=4, max_lora_rank=16))
+    eng = LLMEngine(
+        EngineConfig(
+            max_num_seqs=4, max_model_len=256, max_num_batched_tokens=512, max_waiting=8, lora_slots=4, max_lora_rank=16
+        )
+    )
     eng.start()
     yield eng
     eng.stop()

@@ -23,9 +23,26 @@ def engine_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[p
     tmp = tmp_path_factory.mktemp("engine")
     ready = tmp / "ready.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine", "--port", "0", "--ready-file", str(ready), "--max-num-seqs", "4",
-         "--max-model-len", "256", "--max-num-batched-tokens", "512", "--max-lora-rank", "16"],
-        stdout=subprocess.DEVNULL, stderr=open(tmp / "engine.log", "w"), env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        [
+            sys.executable,
+            "-m",
+            "engine",
+            "--port",
+            "0",
+            "--ready-file",
+            str(ready),
+            "--max-num-seqs",
+            "4",
+            "--max-model-len",
+            "256",
+            "--max-num-batched-tokens",
+            "512",
+            "--max-lora-rank",
+            "16",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp / "engine.log", "w"),
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
         deadline = time.monotonic() + 120
@@ -44,7 +61,8 @@ def engine_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[p
 
 def chat_request(request_id: str, text: str, max_tokens: int = 16, adapter: str = "") -> pb.GenerateRequest:
     return pb.GenerateRequest(
-        request_id=request_id, adapter=adapter,
+        request_id=request_id,
+        adapter=adapter,
         chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content=text)]),
         sampling=pb.SamplingParams(max_tokens=max_tokens),
     )
@@ -67,10 +85,18 @@ def test_generate_streams_tokens_then_finish_and_usage(engine_process: tuple[pb_
         (chat_request("e1", "hi", adapter="missing"), grpc.StatusCode.NOT_FOUND, "missing"),
         (pb.GenerateRequest(request_id="e2"), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
         (pb.GenerateRequest(request_id="e3", prompt="word " * 400), grpc.StatusCode.INVALID_ARGUMENT, "context"),
-        (pb.GenerateRequest(request_id="e4", chat=pb.ChatInput(messages=[pb.ChatMessage(role="wizard", content="x")])),
-         grpc.StatusCode.INVALID_ARGUMENT, "role"),
-        (pb.GenerateRequest(request_id="e5", prompt="hi", sampling=pb.SamplingParams(top_p=1.5)),
-         grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        (
+            pb.GenerateRequest(
+                request_id="e4", chat=pb.ChatInput(messages=[pb.ChatMessage(role="wizard", content="x")])
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "role",
+        ),
+        (
+            pb.GenerateRequest(request_id="e5", prompt="hi", sampling=pb.SamplingParams(top_p=1.5)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "top_p",
+        ),
     ],
 )
 def test_bad_requests_get_precise_codes(
@@ -85,8 +111,9 @@ def test_bad_requests_get_precise_codes(
 
 def test_deadline_stops_the_request_within_a_step(engine_process: tuple[pb_grpc.EngineStub, Path]) -> None:
     stub, _ = engine_process
-    request = pb.GenerateRequest(request_id="slow", prompt="Once upon a time",
-                                 sampling=pb.SamplingParams(max_tokens=200, ignore_eos=True))
+    request = pb.GenerateRequest(
+        request_id="slow", prompt="Once upon a time", sampling=pb.SamplingParams(max_tokens=200, ignore_eos=True)
+    )
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(request, timeout=0.5))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -16,7 +16,10 @@ def random_adapter(rank: int, scaling: float, modules: tuple[str, ...], seed: in
     for layer in range(TINY.num_layers):
         for module in modules:
             fan_in, fan_out = TINY.projection_shapes()[module]
-            tensors[(layer, module)] = (torch.randn(rank, fan_in, generator=gen), torch.randn(fan_out, rank, generator=gen))
+            tensors[(layer, module)] = (
+                torch.randn(rank, fan_in, generator=gen),
+                torch.randn(fan_out, rank, generator=gen),
+            )
     return AdapterWeights(rank=rank, scaling=scaling, modules=frozenset(modules), tensors=tensors)
 
 
@@ -32,10 +35,10 @@ def stacks() -> LoRAStacks:
 @pytest.mark.parametrize(
     "token_slots",
     [
-        [0, 0, 0, 0],                       # one adapter, contiguous
-        [-1, 0, 1, -1, 3, 1, 0],            # mixed, interleaved, base rows
-        [1, 1, 1, 3, 3, 0, 0, 0, -1, -1],   # prefill-like segments of different ranks
-        [-1, -1],                           # base only
+        [0, 0, 0, 0],  # one adapter, contiguous
+        [-1, 0, 1, -1, 3, 1, 0],  # mixed, interleaved, base rows
+        [1, 1, 1, 3, 3, 0, 0, 0, -1, -1],  # prefill-like segments of different ranks
+        [-1, -1],  # base only
         [0] * 40 + [1] * 30 + [-1] * 5 + [3] * 2,  # long prefill: the grouped (per-adapter) path
     ],
 )

@@ -14,8 +14,15 @@ from engine.model import DecoderModel, SeqSlice
 transformers = pytest.importorskip("transformers")
 
 TINY_CONFIG = dict(
-    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
     tie_word_embeddings=False,
 )
 
@@ -42,7 +49,7 @@ def test_prefill_and_decode_match_transformers(kind: str, tmp_path: Path) -> Non
     kv = KVCache(arch, slots=2, max_len=32, dtype=torch.float32, device=torch.device("cpu"))
     prompt = [5, 17, 42, 8, 90, 3]
     with torch.no_grad():
-        ref_logits = reference(torch.tensor([prompt + [11, 12]])).logits[0]
+        ref_logits = reference(torch.tensor([[*prompt, 11, 12]])).logits[0]
     # Prefill the prompt in slot 1, then decode two tokens one by one.
     logits = ours(torch.tensor(prompt), torch.arange(len(prompt)), [SeqSlice(1, 0, len(prompt), len(prompt))], kv, None)
     torch.testing.assert_close(logits[0], ref_logits[len(prompt) - 1], rtol=1e-4, atol=1e-4)
@@ -61,11 +68,12 @@ def test_two_sequences_in_one_step_do_not_mix(tmp_path: Path) -> None:
     a, b = [1, 2, 3, 4], [9, 8, 7]
     alone_a = model(torch.tensor(a), torch.arange(4), [SeqSlice(0, 0, 4, 4)], kv, None)
     alone_b = model(torch.tensor(b), torch.arange(3), [SeqSlice(1, 0, 3, 3)], kv, None)
-    both = model(torch.tensor(a + b), torch.tensor([0, 1, 2, 3, 0, 1, 2]),
-                 [SeqSlice(0, 0, 4, 4), SeqSlice(1, 4, 3, 3)], kv, None)
+    both = model(
+        torch.tensor(a + b), torch.tensor([0, 1, 2, 3, 0, 1, 2]), [SeqSlice(0, 0, 4, 4), SeqSlice(1, 4, 3, 3)], kv, None
+    )
     torch.testing.assert_close(both, torch.cat([alone_a, alone_b]), rtol=1e-5, atol=1e-5)
 
 
 def test_unknown_model_path_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="expected a .gguf file"):
+    with pytest.raises(FileNotFoundError, match=r"expected a \.gguf file"):
         resolve_model(str(tmp_path / "missing"))

@@ -52,7 +52,7 @@ def test_busy_and_pinned_adapters_are_never_evicted(pool: AdapterPool, tmp_path:
     c = _loaded(pool, "c", write_adapter(tmp_path / "c", seed=2))
     pool.acquire(a)
     pool.release(a, tokens=1)  # idle but pinned
-    pool.acquire(b)            # busy
+    pool.acquire(b)  # busy
     assert pool.acquire(c) is None
 
 

@@ -21,17 +21,21 @@ def test_greedy_picks_argmax() -> None:
 
 def test_same_seed_same_tokens_different_seed_differs() -> None:
     logits = torch.zeros(1, 1000)
+
     def draw(seed: int) -> list[int]:
         p = SamplingParams(max_tokens=1, temperature=1.0, seed=seed)
         gen = make_generator(p, CPU)
         return [sample(logits, [p], [gen])[0] for _ in range(8)]
+
     assert draw(1) == draw(1)
     assert draw(1) != draw(2)
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
-    for p in (SamplingParams(max_tokens=1, temperature=1.0, top_k=1, seed=3),
-              SamplingParams(max_tokens=1, temperature=1.0, top_p=0.01, seed=3)):
+    for p in (
+        SamplingParams(max_tokens=1, temperature=1.0, top_k=1, seed=3),
+        SamplingParams(max_tokens=1, temperature=1.0, top_p=0.01, seed=3),
+    ):
         assert all(sample(_logits(), [p], [make_generator(p, CPU)]) == [1] for _ in range(20))
 
 

@@ -11,9 +11,19 @@ from safetensors.torch import save_file
 from engine.config import ModelArch
 
 TINY = ModelArch(
-    arch="llama", vocab_size=128, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-5, max_position=64,
-    tie_embeddings=True, qkv_bias=False,
+    arch="llama",
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    max_position=64,
+    tie_embeddings=True,
+    qkv_bias=False,
 )
 
 
@@ -42,8 +52,12 @@ def write_adapter(
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.1
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     config: dict[str, object] = {
-        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(modules),
-        "bias": "none", "use_rslora": False,
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": list(modules),
+        "bias": "none",
+        "use_rslora": False,
     }
     config.update(config_overrides or {})
     (folder / "adapter_config.json").write_text(json.dumps(config))
