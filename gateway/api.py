@@ -157,3 +157,11 @@ class PolicyChecker(Protocol):
     async def check(self, item: PolicyInput) -> PolicyDecision:
         """Return allow/deny with a reason a client can read."""
         ...
+
+
+class HealthSource(Protocol):
+    """Readiness of whatever serves the requests (engines), for health endpoints."""
+
+    def health(self) -> tuple[bool, str]:
+        """Return (ready, a short human-readable detail)."""
+        ...

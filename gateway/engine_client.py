@@ -1,0 +1,430 @@
+"""Engine replicas behind one pool: replica choice, adapter registration, and the Generate stream.
+
+The pool knows each replica's health and which adapter versions it holds (polled with `Stats` and
+updated by our own `LoadAdapter` calls). A request goes to a healthy replica with a free slot, preferring
+one where its adapter version is already known, else the least loaded. A replica that stops answering
+is marked unhealthy and its running streams are cut at once, so their clients hear UNAVAILABLE instead
+of waiting on a dead socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from engine import engine_pb2 as pb
+from engine import engine_pb2_grpc as pb_grpc
+from gateway.api import Done, GatewayRequest, TokenChunk, Usage
+from gateway.errors import (
+    DeadlineExceeded,
+    GatewayError,
+    InvalidRequest,
+    NotFound,
+    Throttled,
+    Unavailable,
+)
+from gateway.registry import ResolvedAdapter
+
+log = logging.getLogger("adaptergate.engine_client")
+
+_CHANNEL_OPTIONS = (
+    # Notice a silently dead peer (host gone, process stopped) without waiting for TCP timeouts.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+)
+_STATUS_ERRORS: dict[grpc.StatusCode, type[GatewayError]] = {
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.OUT_OF_RANGE: InvalidRequest,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Throttled,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+}
+
+
+class ReplicaFailed(Unavailable):
+    """A replica failed a request; `before_admission` means it produced nothing and may be retried."""
+
+    def __init__(self, message: str, *, before_admission: bool) -> None:
+        super().__init__(message)
+        self.before_admission = before_admission
+
+
+@dataclass(eq=False, slots=True)
+class Replica:
+    """One engine process as the pool sees it."""
+
+    name: str
+    address: str
+    capacity: int
+    channel: grpc.aio.Channel
+    stub: pb_grpc.EngineStub
+    healthy: bool = False
+    in_flight: int = 0
+    last_error: str = ""
+    # Adapter engine names the engine reported (or we registered), with their state.
+    adapters: dict[str, str] = field(default_factory=dict)
+    # Requests in flight per adapter engine name, so retired versions unload once idle.
+    active: dict[str, int] = field(default_factory=dict)
+    calls: set[grpc.aio.UnaryStreamCall] = field(default_factory=set)
+    cut: set[grpc.aio.UnaryStreamCall] = field(default_factory=set)
+    loading: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+    stats: pb.StatsResponse | None = None
+
+
+class EnginePool:
+    """All engine replicas this gateway drives; an async context manager that polls them while open."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        max_concurrency: int = 32,
+        poll_interval_s: float = 1.0,
+        rpc_timeout_s: float = 5.0,
+    ) -> None:
+        self._max_concurrency = max_concurrency
+        self._poll_interval_s = poll_interval_s
+        self._rpc_timeout_s = rpc_timeout_s
+        self._addresses = list(addresses)
+        self.replicas: list[Replica] = []
+        self._retiring: set[str] = set()
+        self._listeners: list[Callable[[], None]] = []
+        self._health_listeners: list[Callable[[Replica], None]] = []
+        self._tasks: set[asyncio.Task[object]] = set()
+        self._poller: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> EnginePool:
+        for address in self._addresses:
+            self.add_replica(address)
+        await self.poll_once()
+        self._poller = asyncio.create_task(self._poll_forever(), name="engine-poll")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(r.channel.close(None) for r in self.replicas), return_exceptions=True)
+
+    def add_replica(self, address: str, name: str | None = None) -> Replica:
+        """Start driving the engine at `address` (it becomes usable after its first good poll)."""
+        channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        replica = Replica(
+            name=name or f"engine-{len(self.replicas)}",
+            address=address,
+            capacity=self._max_concurrency,
+            channel=channel,
+            stub=pb_grpc.EngineStub(channel),
+        )
+        self.replicas.append(replica)
+        return replica
+
+    def set_address(self, replica: Replica, address: str) -> None:
+        """Point `replica` at a new address (its process was restarted); usable after the next poll."""
+        self._mark_unhealthy(replica, "moved to a new address")
+        old = replica.channel
+        self._spawn(old.close(None))
+        replica.address = address
+        replica.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        replica.stub = pb_grpc.EngineStub(replica.channel)
+        replica.adapters = {}
+        self._spawn(self._poll(replica))
+
+    def add_capacity_listener(self, callback: Callable[[], None]) -> None:
+        """Call `callback` whenever a slot frees up or a replica becomes healthy."""
+        self._listeners.append(callback)
+
+    def add_health_listener(self, callback: Callable[[Replica], None]) -> None:
+        """Call `callback(replica)` whenever a replica turns healthy or unhealthy (see `replica.healthy`)."""
+        self._health_listeners.append(callback)
+
+    # -- slots ---------------------------------------------------------------------------------
+
+    def has_capacity(self) -> bool:
+        """Whether some healthy replica has a free slot."""
+        return any(r.healthy and r.in_flight < r.capacity for r in self.replicas)
+
+    def healthy_count(self) -> int:
+        return sum(1 for r in self.replicas if r.healthy)
+
+    def acquire(self, engine_name: str | None, exclude: Iterable[Replica] = ()) -> Replica | None:
+        """Take a slot on the best replica for `engine_name` (None = base model), or None if all are full."""
+        best: Replica | None = None
+        best_key = (2, 0.0)
+        for r in self.replicas:
+            if not r.healthy or r.in_flight >= r.capacity or r in exclude:
+                continue
+            # Resident versions first (no load on the request's path), then the least loaded replica.
+            cold = 0 if engine_name is None or engine_name in r.adapters else 1
+            key = (cold, r.in_flight / r.capacity)
+            if key < best_key:
+                best, best_key = r, key
+        if best is not None:
+            best.in_flight += 1
+        return best
+
+    def release(self, replica: Replica) -> None:
+        """Give back a slot taken by `acquire`."""
+        replica.in_flight -= 1
+        self._notify()
+
+    # -- streaming -----------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        replica: Replica,
+        request: GatewayRequest,
+        adapter: ResolvedAdapter | None,
+        metadata: Sequence[tuple[str, str]] | None = None,
+    ) -> AsyncGenerator[TokenChunk | Done, None]:
+        """Stream `request` on `replica`; raises `GatewayError` (`ReplicaFailed` when the replica fails).
+
+        `metadata` travels as gRPC metadata (trace context). Closing the iterator early cancels the
+        engine request.
+        """
+        engine_name = ""
+        if adapter is not None:
+            engine_name = adapter.engine_name
+            if engine_name not in replica.adapters:
+                await self.register(replica, adapter)
+        message = _generate_request(request, engine_name)
+        timeout = None if request.deadline is None else max(0.001, request.deadline - time.monotonic())
+        call = replica.stub.Generate(message, timeout=timeout, metadata=metadata)
+        replica.calls.add(call)
+        if engine_name:
+            replica.active[engine_name] = replica.active.get(engine_name, 0) + 1
+        admitted = finished = False
+        pending_tokens = 0
+        try:
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    break
+                admitted = True
+                pending_tokens += len(response.token_ids)
+                if response.text:
+                    yield TokenChunk(response.text, pending_tokens)
+                    pending_tokens = 0
+                if response.finish_reason:
+                    finished = True
+                    usage = response.usage
+                    yield Done(
+                        response.finish_reason,
+                        Usage(usage.prompt_tokens, usage.completion_tokens),
+                        adapter.version if adapter is not None else None,
+                    )
+                    return
+            raise ReplicaFailed(f"{replica.name} ended the stream without a result", before_admission=False)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND and engine_name and not admitted:
+                # The engine forgot the adapter (it restarted since our last poll): register it again
+                # on the retry instead of failing the request.
+                replica.adapters.pop(engine_name, None)
+                raise ReplicaFailed(f"{replica.name} did not know {engine_name}", before_admission=True) from None
+            raise self._error(replica, e, admitted) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if call in replica.cut and task is not None and task.cancelling() == 0:
+                raise ReplicaFailed(
+                    f"engine replica {replica.name} stopped responding", before_admission=not admitted
+                ) from None
+            raise
+        finally:
+            replica.calls.discard(call)
+            replica.cut.discard(call)
+            if engine_name:
+                self._end_active(replica, engine_name)
+            if not finished:
+                call.cancel()
+                if admitted and replica.healthy:
+                    # Cancelling the stream frees the engine's slot already; Abort makes sure of it
+                    # for engines that notice cancellation only at their next step.
+                    self._spawn(self._abort(replica, request.request_id))
+
+    def _error(self, replica: Replica, e: grpc.aio.AioRpcError, admitted: bool) -> GatewayError:
+        code = e.code()
+        detail = e.details() or code.name
+        if code == grpc.StatusCode.UNAVAILABLE:
+            self._mark_unhealthy(replica, detail)
+            return ReplicaFailed(f"engine replica {replica.name} unavailable: {detail}", before_admission=not admitted)
+        if code == grpc.StatusCode.CANCELLED:
+            return ReplicaFailed(f"engine replica {replica.name} cancelled the request", before_admission=False)
+        cls = _STATUS_ERRORS.get(code)
+        if cls is None:
+            return Unavailable(f"engine replica {replica.name} failed: {code.name}: {detail}")
+        return cls(detail)
+
+    async def _abort(self, replica: Replica, request_id: str) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await replica.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self._rpc_timeout_s)
+
+    # -- adapters ------------------------------------------------------------------------------
+
+    async def register(self, replica: Replica, adapter: ResolvedAdapter) -> None:
+        """Register `adapter` on `replica` (once, however many requests ask at the same time)."""
+        name = adapter.engine_name
+        pending = replica.loading.get(name)
+        if pending is None:
+            pending = asyncio.ensure_future(self._load(replica, adapter))
+            replica.loading[name] = pending
+            pending.add_done_callback(lambda _: replica.loading.pop(name, None))
+        await asyncio.shield(pending)
+
+    async def _load(self, replica: Replica, adapter: ResolvedAdapter) -> None:
+        request = pb.LoadAdapterRequest(
+            name=adapter.engine_name, path=_absolute(adapter.source), pin=adapter.pin, wait=False
+        )
+        try:
+            response = await replica.stub.LoadAdapter(request, timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise self._error(replica, e, admitted=False) from None
+        replica.adapters[adapter.engine_name] = response.adapter.state or "registered"
+        log.info(
+            "adapter registered",
+            extra={"replica": replica.name, "adapter": adapter.engine_name, "state": response.adapter.state},
+        )
+
+    async def register_everywhere(self, adapters: Iterable[ResolvedAdapter]) -> None:
+        """Register each adapter version on every healthy replica; failures are logged, not raised."""
+        wanted = list(adapters)
+        self._retiring.difference_update(a.engine_name for a in wanted)
+        jobs = [
+            self.register(r, a) for r in self.replicas if r.healthy for a in wanted if a.engine_name not in r.adapters
+        ]
+        for result in await asyncio.gather(*jobs, return_exceptions=True):
+            if isinstance(result, Exception):
+                log.warning("adapter registration failed: %s", result)
+
+    def retire(self, engine_names: Iterable[str]) -> None:
+        """Unload these adapter versions from every replica once no request uses them there."""
+        for name in engine_names:
+            self._retiring.add(name)
+            for replica in self.replicas:
+                if name in replica.adapters and not replica.active.get(name):
+                    self._spawn(self._unload(replica, name))
+
+    def _end_active(self, replica: Replica, engine_name: str) -> None:
+        left = replica.active[engine_name] - 1
+        if left:
+            replica.active[engine_name] = left
+            return
+        del replica.active[engine_name]
+        if engine_name in self._retiring:
+            self._spawn(self._unload(replica, engine_name))
+
+    async def _unload(self, replica: Replica, engine_name: str) -> None:
+        if replica.active.get(engine_name) or engine_name not in self._retiring:
+            return
+        replica.adapters.pop(engine_name, None)
+        try:
+            await replica.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=engine_name), timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            log.warning("unload of %s on %s failed: %s", engine_name, replica.name, e.details())
+
+    def residency(self) -> dict[str, dict[str, object]]:
+        """Per replica: address, health, load and the adapter versions it holds with their state."""
+        return {
+            r.name: {
+                "address": r.address,
+                "healthy": r.healthy,
+                "in_flight": r.in_flight,
+                "capacity": r.capacity,
+                "adapters": dict(r.adapters),
+                "error": r.last_error,
+            }
+            for r in self.replicas
+        }
+
+    # -- health --------------------------------------------------------------------------------
+
+    async def poll_once(self) -> None:
+        """Ask every replica for its stats now (also run periodically while the pool is open)."""
+        await asyncio.gather(*(self._poll(r) for r in self.replicas))
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_interval_s)
+            await self.poll_once()
+
+    async def _poll(self, replica: Replica) -> None:
+        try:
+            stats = await replica.stub.Stats(pb.StatsRequest(), timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            self._mark_unhealthy(replica, f"{e.code().name}: {e.details()}")
+            return
+        replica.stats = stats
+        # What the engine reports is the truth (it may have restarted and forgotten registrations);
+        # keep names we are registering right now.
+        adapters = {a.name: a.state for a in stats.adapters}
+        for name in replica.loading:
+            if name in replica.adapters:
+                adapters.setdefault(name, replica.adapters[name])
+        replica.adapters = adapters
+        replica.last_error = ""
+        if not replica.healthy:
+            replica.healthy = True
+            log.info("engine replica healthy", extra={"replica": replica.name, "address": replica.address})
+            for callback in self._health_listeners:
+                callback(replica)
+            self._notify()
+
+    def _mark_unhealthy(self, replica: Replica, reason: str) -> None:
+        replica.last_error = reason
+        if not replica.healthy:
+            return
+        replica.healthy = False
+        log.warning("engine replica unhealthy: %s", reason, extra={"replica": replica.name})
+        for call in list(replica.calls):
+            replica.cut.add(call)
+            call.cancel()
+        for callback in self._health_listeners:
+            callback(replica)
+
+    def _notify(self) -> None:
+        for callback in self._listeners:
+            callback()
+
+    def _spawn(self, coro: Coroutine[Any, Any, object]) -> None:
+        task: asyncio.Task[object] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _generate_request(request: GatewayRequest, engine_name: str) -> pb.GenerateRequest:
+    s = request.sampling
+    sampling = pb.SamplingParams(
+        max_tokens=s.max_tokens or 0,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        stop=s.stop,
+    )
+    if s.seed is not None:
+        sampling.seed = s.seed
+    message = pb.GenerateRequest(
+        request_id=request.request_id, adapter=engine_name, sampling=sampling, priority=request.priority
+    )
+    if request.messages is not None:
+        message.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.content) for m in request.messages)
+    else:
+        message.prompt = request.prompt or ""
+    return message
+
+
+def _absolute(path: str) -> str:
+    # Pure string work (no filesystem access): engines on this host need absolute paths.
+    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)

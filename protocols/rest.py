@@ -1,0 +1,465 @@
+"""OpenAI-compatible REST and SSE over aiohttp: /v1/completions, /v1/chat/completions, /v1/models.
+
+Translation only: a JSON body becomes one `GatewayRequest`, the event stream becomes one JSON reply or
+SSE `data:` chunks ending with `data: [DONE]`. Every failure leaves as an OpenAI error object
+{"error": {"message", "type", "param", "code"}} with the HTTP status from `_HTTP_STATUS`; malformed
+input is a 4xx naming the problem, never a 500.
+
+Extra headers: `X-Request-Id` (echoed, generated when absent), `X-Routing-Key` (sticky adapter
+version choice; the body's `user` field is used when absent), `X-Request-Timeout` (seconds, may
+shorten the configured deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+from aiohttp import web
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+
+from gateway.api import (
+    Done,
+    Error,
+    Event,
+    GatewayRequest,
+    HealthSource,
+    Origin,
+    Submitter,
+    TokenChunk,
+)
+from gateway.errors import GatewayError, InvalidRequest, Status, Unauthenticated
+from protocols.openapi import openapi_document
+from protocols.rest_input import FieldError, ParsedBody, parse_chat, parse_completion
+
+log = logging.getLogger("adaptergate.rest")
+_tracer = trace.get_tracer("adaptergate.rest")
+
+# Status -> (HTTP status, OpenAI error type): the one place REST turns outcomes into wire codes.
+_HTTP_STATUS: dict[Status, tuple[int, str]] = {
+    Status.OK: (200, ""),
+    Status.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    Status.UNAUTHENTICATED: (401, "authentication_error"),
+    Status.PERMISSION_DENIED: (403, "permission_error"),
+    Status.NOT_FOUND: (404, "not_found_error"),
+    Status.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    Status.CANCELLED: (499, "cancelled"),
+    Status.INTERNAL: (500, "server_error"),
+    Status.UNAVAILABLE: (503, "service_unavailable"),
+    Status.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_DONE = b"data: [DONE]\n\n"
+_MAX_REQUEST_ID = 128
+_UNGUARDED = frozenset({"/healthz", "/metrics", "/openapi.json"})
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class HttpError(Exception):
+    """A REST-level refusal that has no `Status` of its own (e.g. 413, 405)."""
+
+    def __init__(self, http_status: int, message: str, *, kind: str = "invalid_request_error", code: str = ""):
+        super().__init__(message)
+        self.http_status = http_status
+        self.message = message
+        self.kind = kind
+        self.code = code
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> bytes:
+    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
+
+
+def error_response(
+    status: Status,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    retry_after_s: float | None = None,
+    request_id: str | None = None,
+) -> web.Response:
+    """The OpenAI-shaped error reply for a gateway `Status`."""
+    http, kind = _HTTP_STATUS[status]
+    headers: dict[str, str] = {}
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    body = error_body(message, kind, param, code or status.value)
+    return web.Response(status=http, body=body, content_type="application/json", headers=headers)
+
+
+class RestServer:
+    """Serves the OpenAI-compatible API (plus any `extra_routes`) while open; drains on exit."""
+
+    def __init__(
+        self,
+        gateway: Submitter,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8080,
+        max_body_bytes: int = 1_048_576,
+        request_timeout_s: float = 600.0,
+        drain_timeout_s: float = 30.0,
+        model_name: str = "base",
+        health: HealthSource | None = None,
+        extra_routes: Sequence[web.RouteDef] = (),
+    ) -> None:
+        self._gateway = gateway
+        self._host = host
+        self._port = port
+        self._max_body = max_body_bytes
+        self._timeout_s = request_timeout_s
+        self._drain_timeout_s = drain_timeout_s
+        self._model_name = model_name
+        self._health = health
+        self._extra_routes = list(extra_routes)
+        self._runner: web.AppRunner | None = None
+        self._openapi = json.dumps(openapi_document(model_name)).encode()
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.draining = False
+        self.port = 0
+
+    async def __aenter__(self) -> RestServer:
+        app = web.Application(client_max_size=self._max_body, middlewares=[self._guard])
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model}", self._model)
+        app.router.add_get("/openapi.json", self._openapi_json)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_routes(self._extra_routes)
+        # Cancel a handler when its client disconnects, so the request leaves the queue or engine.
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self._port, backlog=1024)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        log.info("REST listening", extra={"host": self._host, "port": self.port})
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.drain()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def drain(self) -> None:
+        """Answer 503 to new requests and wait (bounded) for in-flight ones to finish."""
+        self.draining = True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._drain_timeout_s):
+                await self._idle.wait()
+        if self._active:
+            log.warning("drain timeout: %d requests still running are cut", self._active)
+
+    # -- middleware ----------------------------------------------------------------------------
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in _UNGUARDED:
+            return await handler(request)
+        if self.draining:
+            response = error_response(Status.UNAVAILABLE, "the gateway is shutting down", code="draining")
+            response.force_close()
+            return response
+        self._active += 1
+        self._idle.clear()
+        try:
+            return await handler(request)
+        except GatewayError as e:
+            return error_response(e.status, e.message, param=getattr(e, "param", None), retry_after_s=e.retry_after_s)
+        except HttpError as e:
+            body = error_body(e.message, e.kind, None, e.code or None)
+            return web.Response(status=e.http_status, body=body, content_type="application/json")
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            message = {404: f"no route for {request.path}", 405: f"method {request.method} not allowed here"}
+            text = message.get(e.status, e.reason)
+            code = "payload_too_large" if e.status == 413 else e.reason.lower().replace(" ", "_")
+            return web.Response(
+                status=e.status,
+                body=error_body(text, "invalid_request_error", None, code),
+                content_type="application/json",
+                headers={k: v for k, v in e.headers.items() if k == "Allow"},
+            )
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            return error_response(Status.INTERNAL, "internal error")
+        finally:
+            self._active -= 1
+            if not self._active:
+                self._idle.set()
+
+    # -- routes --------------------------------------------------------------------------------
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        tenant = self._tenant(request)
+        body = parse_chat(await self._json(request), self._model_name)
+        return await self._generate(request, tenant, body, chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        tenant = self._tenant(request)
+        body = parse_completion(await self._json(request), self._model_name)
+        return await self._generate(request, tenant, body, chat=False)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        tenant = self._tenant(request)
+        data = [self._model_entry(name) for name in self._gateway.models_for(tenant)]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _model(self, request: web.Request) -> web.Response:
+        tenant = self._tenant(request)
+        name = request.match_info["model"]
+        if name not in self._gateway.models_for(tenant):
+            raise _model_not_found(name)
+        return web.json_response(self._model_entry(name))
+
+    async def _openapi_json(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._openapi, content_type="application/json")
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        ok, detail = self._health.health() if self._health is not None else (True, "")
+        if self.draining:
+            ok, detail = False, "draining"
+        return web.json_response({"status": "ok" if ok else "unavailable", "detail": detail}, status=200 if ok else 503)
+
+    def _model_entry(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "adaptergate", "root": self._model_name}
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def _generate(self, request: web.Request, tenant: str, body: ParsedBody, *, chat: bool) -> web.StreamResponse:
+        headers = request.headers
+        request_id = _request_id(headers.get("X-Request-Id"))
+        timeout = self._timeout_s
+        asked = headers.get("X-Request-Timeout")
+        if asked is not None:
+            timeout = min(timeout, _positive_seconds(asked))
+        # The protocol span is the root of the request's trace (or joins the caller's, via traceparent);
+        # the core's queue and engine spans hang below it through `trace_context`.
+        parent = propagate.extract(headers) if "traceparent" in headers else None
+        span = _tracer.start_span(f"{request.method} {request.path}", context=parent, kind=trace.SpanKind.SERVER)
+        span.set_attribute("adaptergate.request_id", request_id)
+        carrier: dict[str, str] = {}
+        if span.get_span_context().is_valid:
+            propagate.inject(carrier, context=trace.set_span_in_context(span, Context()))
+        greq = GatewayRequest(
+            request_id=request_id,
+            tenant=tenant,
+            adapter=body.adapter,
+            prompt=body.prompt,
+            messages=body.messages,
+            sampling=body.sampling,
+            stream=body.stream,
+            deadline=time.monotonic() + timeout,
+            protocol=Origin.REST,
+            routing_key=headers.get("X-Routing-Key") or body.user,
+            trace_context=carrier,
+        )
+        events = self._gateway.submit(greq)
+        try:
+            if body.stream:
+                response = await _stream(request, events, body, request_id, chat)
+            else:
+                response = await _collect(events, body, request_id, chat)
+            span.set_attribute("http.response.status_code", response.status)
+            return response
+        finally:
+            # Closing the stream early is how the core learns the client is gone.
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            span.end()
+
+    def _tenant(self, request: web.Request) -> str:
+        auth = request.headers.get("Authorization")
+        key: str | None = None
+        if auth:
+            scheme, _, value = auth.partition(" ")
+            if scheme.lower() != "bearer" or not value.strip():
+                raise Unauthenticated("Authorization header must be 'Bearer <API key>'")
+            key = value.strip()
+        return self._gateway.authenticate(key)
+
+    async def _json(self, request: web.Request) -> object:
+        length = request.content_length
+        if length is not None and length > self._max_body:
+            raise HttpError(
+                413, f"request body of {length} bytes exceeds the limit of {self._max_body}", code="payload_too_large"
+            )
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise HttpError(
+                413, f"request body exceeds the limit of {self._max_body} bytes", code="payload_too_large"
+            ) from None
+        if not raw:
+            raise InvalidRequest("request body is empty; expected a JSON object")
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise InvalidRequest(f"request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise InvalidRequest("request body is nested too deeply") from None
+
+
+async def _collect(events: AsyncIterator[Event], body: ParsedBody, request_id: str, chat: bool) -> web.Response:
+    parts: list[str] = []
+    done: Done | None = None
+    async for event in events:
+        if type(event) is TokenChunk:
+            parts.append(event.text)
+        elif type(event) is Done:
+            done = event
+        elif isinstance(event, Error):
+            return _event_error(event, request_id)
+    if done is None:
+        return error_response(Status.INTERNAL, "the request ended without a result", request_id=request_id)
+    text = "".join(parts)
+    created = int(time.time())
+    usage = _usage(done)
+    choice: dict[str, Any]
+    if chat:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": done.finish_reason,
+        }
+        reply = {
+            "id": f"chatcmpl-{request_id}",
+            "object": "chat.completion",
+            "created": created,
+            "model": body.model,
+            "choices": [choice],
+            "usage": usage,
+        }
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
+        reply = {
+            "id": f"cmpl-{request_id}",
+            "object": "text_completion",
+            "created": created,
+            "model": body.model,
+            "choices": [choice],
+            "usage": usage,
+        }
+    headers = {"X-Request-Id": request_id}
+    if done.adapter_version:
+        headers["X-Adapter-Version"] = done.adapter_version
+    return web.Response(body=json.dumps(reply).encode(), content_type="application/json", headers=headers)
+
+
+async def _stream(
+    request: web.Request, events: AsyncIterator[Event], body: ParsedBody, request_id: str, chat: bool
+) -> web.StreamResponse:
+    # Wait for the first event before committing to 200, so early failures keep their HTTP status.
+    first = await anext(events, None)
+    if first is None:
+        return error_response(Status.INTERNAL, "the request ended without a result", request_id=request_id)
+    if isinstance(first, Error):
+        return _event_error(first, request_id)
+    created = int(time.time())
+    model = json.dumps(body.model)
+    if chat:
+        head = f'{{"id":"chatcmpl-{request_id}","object":"chat.completion.chunk","created":{created},"model":{model}'
+        open_text = head + ',"choices":[{"index":0,"delta":{"content":'
+        close_text = '},"logprobs":null,"finish_reason":null}]}\n\n'
+    else:
+        head = f'{{"id":"cmpl-{request_id}","object":"text_completion","created":{created},"model":{model}'
+        open_text = head + ',"choices":[{"index":0,"text":'
+        close_text = ',"logprobs":null,"finish_reason":null}]}\n\n'
+    prefix = b"data: " + open_text.encode()
+    suffix = close_text.encode()
+    response = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": request_id})
+    await response.prepare(request)
+    # The role travels once, in a chunk of its own as OpenAI sends it, but in the same write as the
+    # first text; the closing chunks go out with the end of the body. Fewer writes, fewer syscalls.
+    pending = b""
+    if chat:
+        role = (
+            ',"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}'
+        )
+        pending = b"data: " + (head + role).encode() + b"\n\n"
+    final = b""
+    event: Event | None = first
+    while event is not None:
+        if type(event) is TokenChunk:
+            await response.write(pending + prefix + json.dumps(event.text).encode() + suffix)
+            pending = b""
+        elif type(event) is Done:
+            reason = json.dumps(event.finish_reason)
+            if chat:
+                last = head + f',"choices":[{{"index":0,"delta":{{}},"logprobs":null,"finish_reason":{reason}}}]}}'
+            else:
+                last = head + f',"choices":[{{"index":0,"text":"","logprobs":null,"finish_reason":{reason}}}]}}'
+            final = b"data: " + last.encode() + b"\n\n"
+            if body.include_usage:
+                usage = head + ',"choices":[],"usage":' + json.dumps(_usage(event)) + "}"
+                final += b"data: " + usage.encode() + b"\n\n"
+            break
+        elif isinstance(event, Error):
+            _, kind = _HTTP_STATUS[event.status]
+            final = b"data: " + error_body(event.message, kind, None, event.status.value) + b"\n\n"
+            break
+        event = await anext(events, None)
+    await response.write_eof(pending + final + _DONE)
+    return response
+
+
+def _event_error(event: Error, request_id: str) -> web.Response:
+    param = "model" if event.status is Status.NOT_FOUND else None
+    code = "model_not_found" if event.status is Status.NOT_FOUND else None
+    return error_response(
+        event.status,
+        event.message,
+        param=param,
+        code=code,
+        retry_after_s=event.retry_after_s,
+        request_id=request_id,
+    )
+
+
+def _model_not_found(name: str) -> GatewayError:
+    return FieldError(Status.NOT_FOUND, f"The model {name!r} does not exist or you do not have access to it.", "model")
+
+
+def _usage(done: Done) -> dict[str, int]:
+    u = done.usage
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    }
+
+
+def _request_id(given: str | None) -> str:
+    if given and len(given) <= _MAX_REQUEST_ID and given.isascii() and given.isprintable() and " " not in given:
+        return given
+    return uuid.uuid4().hex
+
+
+def _positive_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise InvalidRequest(f"X-Request-Timeout must be a positive number of seconds, got {value!r}")
+    return seconds

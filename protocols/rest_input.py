@@ -1,0 +1,211 @@
+"""Validation of OpenAI request bodies: JSON in, a `ParsedBody` out, or a `FieldError` naming the field.
+
+Only what the gateway can honour is accepted; anything it would silently ignore in a way that changes
+the answer (n > 1, logprobs, tools, several prompts) is refused with a 400 that says so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.api import ChatMessage, SamplingParams
+from gateway.errors import GatewayError, Status
+
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_MAX_STOP = 4
+
+
+class FieldError(GatewayError):
+    """A request refused because of one field; `param` names it in the OpenAI error object."""
+
+    def __init__(self, status: Status, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedBody:
+    """A validated completion or chat request; `model` is echoed back as the client wrote it."""
+
+    model: str
+    adapter: str | None
+    prompt: str | None
+    messages: tuple[ChatMessage, ...] | None
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+    user: str | None
+
+
+def parse_chat(data: object, base_name: str) -> ParsedBody:
+    """Validate a /v1/chat/completions body."""
+    body = _object(data)
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise _bad("messages must be a non-empty array of {role, content} objects", "messages")
+    messages = tuple(_message(item, i) for i, item in enumerate(raw))
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise _bad(f"{name} are not supported", name)
+    if body.get("tool_choice") not in (None, "none"):
+        raise _bad("tool_choice is not supported", "tool_choice")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise _bad('only response_format {"type": "text"} is supported', "response_format")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise _bad("logprobs are not supported", "logprobs")
+    max_tokens = _int(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1)
+    return _common(body, base_name, None, messages, max_tokens)
+
+
+def parse_completion(data: object, base_name: str) -> ParsedBody:
+    """Validate a /v1/completions body."""
+    body = _object(data)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise _bad("send exactly one prompt per request (batched prompts are not supported)", "prompt")
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise _bad("prompt must be a string (token-id prompts are not supported)", "prompt")
+    if body.get("logprobs") not in (None, 0):
+        raise _bad("logprobs are not supported", "logprobs")
+    if body.get("echo"):
+        raise _bad("echo is not supported", "echo")
+    if body.get("suffix"):
+        raise _bad("suffix is not supported", "suffix")
+    best_of = _int(body, "best_of", 1)
+    if best_of not in (None, 1):
+        raise _bad("best_of > 1 is not supported", "best_of")
+    return _common(body, base_name, prompt, None, _int(body, "max_tokens", 1))
+
+
+def parse_model(model: str, base_name: str) -> str | None:
+    """ "base" (or the base model's name) -> None; "base:NAME" and "NAME" -> the adapter NAME."""
+    if model in ("base", base_name):
+        return None
+    if model.startswith("base:"):
+        adapter = model[len("base:") :]
+        if not adapter:
+            raise _bad("model 'base:' names no adapter; use 'base' or 'base:ADAPTER'", "model")
+        return adapter
+    return model
+
+
+def _common(
+    body: dict[str, Any],
+    base_name: str,
+    prompt: str | None,
+    messages: tuple[ChatMessage, ...] | None,
+    max_tokens: int | None,
+) -> ParsedBody:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model is required: 'base', 'base:ADAPTER' or 'ADAPTER'", "model")
+    n = _int(body, "n", 1)
+    if n not in (None, 1):
+        raise _bad("n > 1 is not supported; send several requests", "n")
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
+    elif not isinstance(stream, bool):
+        raise _bad("stream must be true or false", "stream")
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise _bad("stream_options must be an object", "stream_options")
+        include_usage = options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise _bad("stream_options.include_usage must be true or false", "stream_options")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _bad("user must be a string", "user")
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    top_p = _number(body, "top_p", 0.0, 1.0)
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=_int(body, "top_k", 0) or 0,
+        seed=_int(body, "seed", None),
+        stop=_stop(body.get("stop")),
+    )
+    return ParsedBody(
+        model=model,
+        adapter=parse_model(model, base_name),
+        prompt=prompt,
+        messages=messages,
+        sampling=sampling,
+        stream=stream,
+        include_usage=include_usage,
+        user=user,
+    )
+
+
+def _object(data: object) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise _bad("request body must be a JSON object")
+    return data
+
+
+def _message(item: object, index: int) -> ChatMessage:
+    where = f"messages[{index}]"
+    if not isinstance(item, dict):
+        raise _bad(f"{where} must be an object with role and content", where)
+    role = item.get("role")
+    if role not in _ROLES:
+        raise _bad(f"{where}.role must be one of {', '.join(sorted(_ROLES))}, got {role!r}", f"{where}.role")
+    content = item.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(f"{where}.content: only text parts are supported", f"{where}.content")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise _bad(f"{where}.content must be a string or an array of text parts", f"{where}.content")
+    # The chat template knows system, not the newer developer role; they mean the same here.
+    return ChatMessage("system" if role == "developer" else str(role), content)
+
+
+def _int(body: dict[str, Any], name: str, minimum: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"{name} must be an integer, got {type(value).__name__}", name)
+    if minimum is not None and value < minimum:
+        raise _bad(f"{name} must be at least {minimum}, got {value}", name)
+    return value
+
+
+def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _bad(f"{name} must be a number", name)
+    if not low <= value <= high:
+        raise _bad(f"{name} must be between {low:g} and {high:g}, got {value}", name)
+    return float(value)
+
+
+def _stop(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,) if value else ()
+    if isinstance(value, list) and all(isinstance(s, str) for s in value) and len(value) <= _MAX_STOP:
+        return tuple(s for s in value if s)
+    raise _bad(f"stop must be a string or an array of at most {_MAX_STOP} strings", "stop")
+
+
+def _bad(message: str, param: str | None = None) -> FieldError:
+    return FieldError(Status.INVALID_ARGUMENT, message, param)

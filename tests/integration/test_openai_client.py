@@ -1,0 +1,94 @@
+"""The official `openai` client, unchanged, against a real gateway process over the fast engine fixture."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from tests.conftest import (
+    DEV_KEY,
+    FAST_ENGINE_SCRIPT,
+    ServerProcess,
+    gateway_config,
+    http_json,
+    manifest,
+    start_gateway,
+)
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    workdir = tmp_path_factory.mktemp("openai-client")
+    config = gateway_config(
+        engines={"local": {"count": 1, "command": [sys.executable, str(FAST_ENGINE_SCRIPT), "--chunks", "5"]}},
+        registry={"path": str(workdir / "registry.db"), "seed_demo_adapters": False},
+    )
+    server = start_gateway(config, workdir)
+    status, _ = http_json("POST", f"{server.url}/admin/adapters", {"manifests": [manifest("pirate", ("v1", "/x", 1))]})
+    assert status == 200, server.log()
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+@pytest.fixture
+def client(gateway: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=DEV_KEY, max_retries=0)
+
+
+def test_chat_completion(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="pirate", messages=[{"role": "user", "content": "Ahoy?"}], max_tokens=3, temperature=0
+    )
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == "tok tok tok "
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens == 3
+    assert reply.model == "pirate"
+
+
+def test_chat_completion_stream_with_usage(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="base:pirate",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "tok " * 5
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+
+
+def test_completions_plain_and_streamed(client: openai.OpenAI) -> None:
+    reply = client.completions.create(model="base", prompt="Once upon", max_tokens=2)
+    assert reply.choices[0].text == "tok tok "
+    streamed = client.completions.create(model="base", prompt="Once upon", stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == "tok " * 5
+
+
+def test_models_list(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == ["base", "pirate"]
+
+
+def test_errors_raise_the_matching_openai_exceptions(client: openai.OpenAI, gateway: ServerProcess) -> None:
+    with pytest.raises(openai.NotFoundError, match="adapter 'kraken' not found"):
+        client.chat.completions.create(model="kraken", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="n > 1 is not supported"):
+        client.chat.completions.create(model="base", messages=[{"role": "user", "content": "x"}], n=2)
+    bad = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="invalid API key"):
+        bad.models.list()
+
+
+async def test_async_client_streams(gateway: ServerProcess) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=DEV_KEY, max_retries=0)
+    async with client:
+        stream = await client.chat.completions.create(
+            model="pirate", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=2
+        )
+        parts = [c.choices[0].delta.content async for c in stream if c.choices and c.choices[0].delta.content]
+    assert parts == ["tok ", "tok "]

@@ -1,0 +1,134 @@
+"""The whole default stack: `adaptergate serve` with the real engine (SmolLM2) and the demo adapters."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.conftest import DEV_KEY, ServerProcess, gateway_config, http_json, start_gateway
+from tests.support.model_files import DEMO_ADAPTERS, demo_adapter_dir, smollm2_gguf_path
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "What is the capital of France?"
+MAX_TOKENS = 16
+
+
+def _missing() -> str | None:
+    try:
+        smollm2_gguf_path()
+    except FileNotFoundError as e:
+        return str(e)
+    absent = [n for n in DEMO_ADAPTERS if not (demo_adapter_dir(n) / "adapter_config.json").is_file()]
+    return f"demo adapters not trained: {', '.join(absent)} (make adapters)" if absent else None
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    reason = _missing()
+    if reason:
+        pytest.skip(reason)
+    workdir = tmp_path_factory.mktemp("real-engine")
+    config = gateway_config(
+        engines={
+            "local": {
+                "count": 1,
+                "command": [sys.executable, "-m", "engine"],
+                "device": "cpu",
+                "max_num_seqs": 8,
+                "max_model_len": 512,
+                "start_timeout_s": 300,
+            },
+            "max_concurrency": 8,
+        },
+        registry={"path": str(workdir / "registry.db"), "seed_demo_adapters": True},
+    )
+    server = start_gateway(config, workdir, timeout_s=300)
+    yield server
+    assert server.stop(timeout_s=60) == 0, server.log()[-4000:]
+
+
+@pytest.fixture
+def client(gateway: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=DEV_KEY, max_retries=0, timeout=120)
+
+
+def _greedy(client: openai.OpenAI, model: str, prompt: str = PROMPT) -> str:
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS, temperature=0
+    )
+    return reply.choices[0].message.content or ""
+
+
+def test_demo_adapters_are_registered_on_first_start(client: openai.OpenAI, gateway: ServerProcess) -> None:
+    assert sorted(m.id for m in client.models.list()) == sorted(["base", *DEMO_ADAPTERS])
+    status, adapters = http_json("GET", f"{gateway.url}/admin/adapters")
+    assert status == 200
+    sources = {a["metadata"]["name"]: a["spec"]["versions"][0]["source"] for a in adapters["adapters"]}
+    assert sources == {n: str(demo_adapter_dir(n).resolve()) for n in DEMO_ADAPTERS}
+
+
+def test_base_model_answers(client: openai.OpenAI) -> None:
+    assert "Paris" in _greedy(client, "base")
+
+
+def test_each_adapter_changes_the_reply(client: openai.OpenAI) -> None:
+    base = _greedy(client, "base")
+    replies = {name: _greedy(client, name) for name in DEMO_ADAPTERS}
+    for name, text in replies.items():
+        assert text and text != base, f"{name} replied exactly like base: {text!r}"
+    assert len(set(replies.values())) == len(replies), replies
+    if "pirate" in replies:
+        assert any(w in replies["pirate"].lower() for w in ("arr", "matey", "ahoy")), replies["pirate"]
+    if "shout" in replies:
+        letters = [c for c in replies["shout"] if c.isalpha()]
+        assert sum(c.isupper() for c in letters) >= 0.8 * len(letters), replies["shout"]
+
+
+def test_mixed_concurrent_requests_get_their_own_adapter(client: openai.OpenAI) -> None:
+    models = ["base", *DEMO_ADAPTERS] * 2
+    alone = {model: _greedy(client, model) for model in set(models)}
+    with concurrent.futures.ThreadPoolExecutor(len(models)) as pool:
+        together = list(pool.map(lambda m: _greedy(client, m), models))
+    for model, text in zip(models, together, strict=True):
+        assert text == alone[model], f"{model}: batched {text!r} != alone {alone[model]!r}"
+
+
+def test_streaming_through_the_openai_client(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=f"base:{DEMO_ADAPTERS[0]}",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == _greedy(client, DEMO_ADAPTERS[0])
+    usage = chunks[-1].usage
+    assert usage is not None and 0 < usage.completion_tokens <= MAX_TOKENS
+
+
+def test_engine_refusals_keep_their_meaning(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        _greedy(client, "kraken")
+    with pytest.raises(openai.BadRequestError):
+        _greedy(client, "base", prompt="word " * 2000)  # beyond max_model_len 512
+
+
+def test_restart_keeps_registry(gateway: ServerProcess, tmp_path: Path) -> None:
+    # The registry file written on first start is what a restart would read: it holds every demo adapter.
+    from gateway.registry import Registry
+
+    path = next(Path(gateway.log_path).parent.glob("registry.db"))
+    registry = Registry.open(str(path))
+    try:
+        assert sorted(i.name for i in registry.list()) == sorted(DEMO_ADAPTERS)
+    finally:
+        registry.close()

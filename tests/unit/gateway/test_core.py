@@ -1,0 +1,337 @@
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import pytest
+
+from bench.fast_engine import FastEngineFixture, FastEngineOptions
+from gateway.api import (
+    ChatMessage,
+    Done,
+    Error,
+    Event,
+    GatewayRequest,
+    PolicyDecision,
+    PolicyInput,
+    SamplingParams,
+    TokenChunk,
+)
+from gateway.core import Gateway
+from gateway.engine_client import EnginePool
+from gateway.errors import Status, Unauthenticated
+from gateway.queue import QueueLimits
+from gateway.registry import AdapterInstance, AdapterVersion, Registry
+from gateway.tenancy import TenantDirectory
+from policy.static import StaticPolicy
+from tests.conftest import free_port
+
+TENANTS: list[dict[str, Any]] = [
+    {"name": "alice", "plain_api_keys": ["key-a"]},
+    {"name": "bob", "plain_api_keys": ["key-b"], "allowed_adapters": ["shout"], "limits": {"max_queue_depth": 1}},
+]
+
+
+def _instance(name: str, *versions: tuple[str, float], tenants: tuple[str, ...] = ("*",)) -> AdapterInstance:
+    return AdapterInstance(
+        name=name,
+        base_model="smollm2",
+        versions=tuple(AdapterVersion(v, f"/adapters/{name}/{v}", w) for v, w in versions),
+        allowed_tenants=tenants,
+    )
+
+
+def _req(rid: str, tenant: str = "alice", adapter: str | None = None, **kw: Any) -> GatewayRequest:
+    kw.setdefault("prompt", "hello")
+    return GatewayRequest(request_id=rid, tenant=tenant, adapter=adapter, **kw)
+
+
+async def _run(gateway: Gateway, request: GatewayRequest) -> list[Event]:
+    return [event async for event in gateway.submit(request)]
+
+
+class DenyLongPrompts:
+    async def check(self, item: PolicyInput) -> PolicyDecision:
+        return PolicyDecision(item.prompt_chars < 50, "prompt too long for this test policy")
+
+
+@asynccontextmanager
+async def _gateway(
+    engines: Sequence[FastEngineFixture | int], *, capacity: int = 8, policy: Any = None, poll_s: float = 0.05
+) -> AsyncIterator[Gateway]:
+    registry = Registry.open(":memory:")
+    registry.apply(_instance("pirate", ("v1", 100)))
+    registry.apply(_instance("shout", ("v1", 100), tenants=("alice",)))
+    addresses = [f"127.0.0.1:{e if isinstance(e, int) else e.port}" for e in engines]
+    async with AsyncExitStack() as stack:
+        pool = await stack.enter_async_context(
+            EnginePool(addresses, max_concurrency=capacity, poll_interval_s=poll_s, rpc_timeout_s=0.5)
+        )
+        gateway = Gateway(
+            tenants=TenantDirectory.from_config(TENANTS),
+            policy=policy or StaticPolicy(max_tokens=1000),
+            registry=registry,
+            pool=pool,
+            limits=QueueLimits(),
+            default_max_tokens=16,
+        )
+        yield await stack.enter_async_context(gateway)
+    registry.close()
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[FastEngineFixture]:
+    async with FastEngineFixture(FastEngineOptions(chunks=4)) as fixture:
+        yield fixture
+
+
+async def test_streams_tokens_then_done_and_charges_the_tenant(engine: FastEngineFixture) -> None:
+    async with _gateway([engine]) as gateway:
+        events = await _run(gateway, _req("a1", adapter="pirate"))
+        assert [type(e) for e in events] == [TokenChunk] * 4 + [Done]
+        done = events[-1]
+        assert isinstance(done, Done) and done.adapter_version == "v1"
+        stats = gateway.queue_stats()["alice"]
+        assert stats.served_tokens == done.usage.total_tokens
+        assert (stats.depth, stats.in_flight_requests, stats.in_flight_tokens) == (0, 0, 0)
+        chat = await _run(gateway, _req("a2", prompt=None, messages=(ChatMessage("user", "hi"),)))
+        assert isinstance(chat[-1], Done)
+
+
+async def test_engines_get_the_registry_versions_at_start(engine: FastEngineFixture) -> None:
+    async with _gateway([engine]):
+        assert set(engine.adapters) == {"pirate@v1", "shout@v1"}
+
+
+@pytest.mark.parametrize(
+    ("request_", "status", "message"),
+    [
+        (_req("x", adapter="nope"), Status.NOT_FOUND, "adapter 'nope' not found"),
+        (_req("x", tenant="bob", adapter="pirate"), Status.PERMISSION_DENIED, "tenant 'bob' may not use adapter"),
+        (_req("x", tenant="bob", adapter="shout"), Status.PERMISSION_DENIED, "tenant 'bob' may not use adapter"),
+        (_req("x", sampling=SamplingParams(max_tokens=5000)), Status.PERMISSION_DENIED, "max_tokens 5000 exceeds"),
+        (_req("x", prompt="y" * 100), Status.PERMISSION_DENIED, "prompt too long for this test policy"),
+    ],
+)
+async def test_refusals_become_one_error_event(
+    engine: FastEngineFixture, request_: GatewayRequest, status: Status, message: str
+) -> None:
+    policy = DenyLongPrompts() if "y" * 100 == request_.prompt else None
+    engine.record_requests = True
+    async with _gateway([engine], policy=policy) as gateway:
+        events = await _run(gateway, request_)
+    assert len(events) == 1 and isinstance(events[0], Error)
+    assert events[0].status is status and message in events[0].message
+    assert engine.requests_seen == []
+
+
+async def test_authentication_and_models(engine: FastEngineFixture) -> None:
+    async with _gateway([engine]) as gateway:
+        assert gateway.authenticate("key-b") == "bob"
+        with pytest.raises(Unauthenticated):
+            gateway.authenticate("wrong")
+        with pytest.raises(Unauthenticated):
+            gateway.authenticate(None)
+        assert gateway.models_for("alice") == ["base", "pirate", "shout"]
+        assert gateway.models_for("bob") == ["base"]  # may use shout, but shout's spec excludes bob
+
+
+async def test_deadline_while_queued_never_reaches_the_engine() -> None:
+    async with FastEngineFixture(FastEngineOptions(chunks=50, delay_s=0.01)) as slow:
+        slow.record_requests = True
+        async with _gateway([slow], capacity=1) as gateway:
+            busy = asyncio.create_task(_run(gateway, _req("busy")))
+            await asyncio.sleep(0.05)
+            started = time.monotonic()
+            events = await _run(gateway, _req("late", deadline=time.monotonic() + 0.1))
+            assert isinstance(events[0], Error) and events[0].status is Status.DEADLINE_EXCEEDED
+            assert 0.08 < time.monotonic() - started < 0.4
+            assert [r.request_id for r in slow.requests_seen] == ["busy"]
+            assert gateway.queue_stats()["alice"].depth == 0
+            assert isinstance((await busy)[-1], Done)
+
+
+async def test_queue_limits_throttle_with_retry_after() -> None:
+    async with FastEngineFixture(FastEngineOptions(chunks=50, delay_s=0.01)) as slow:
+        async with _gateway([slow], capacity=1) as gateway:
+            running = asyncio.create_task(_run(gateway, _req("b1", tenant="bob")))
+            queued = asyncio.create_task(_run(gateway, _req("b2", tenant="bob")))
+            await asyncio.sleep(0.05)
+            events = await _run(gateway, _req("b3", tenant="bob"))
+            assert isinstance(events[0], Error) and events[0].status is Status.RESOURCE_EXHAUSTED
+            assert events[0].retry_after_s is not None and events[0].retry_after_s > 0
+            assert all(isinstance(r[-1], Done) for r in await asyncio.gather(running, queued))
+
+
+async def test_cancel_while_queued_leaves_the_queue() -> None:
+    async with FastEngineFixture(FastEngineOptions(chunks=50, delay_s=0.01)) as slow:
+        slow.record_requests = True
+        async with _gateway([slow], capacity=1) as gateway:
+            busy = asyncio.create_task(_run(gateway, _req("busy")))
+            await asyncio.sleep(0.05)
+            waiting = asyncio.create_task(_run(gateway, _req("waiting")))
+            await asyncio.sleep(0.05)
+            assert gateway.queue_stats()["alice"].depth == 1
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            assert gateway.queue_stats()["alice"].depth == 0
+            await busy
+            assert [r.request_id for r in slow.requests_seen] == ["busy"]
+            assert gateway.pool.replicas[0].in_flight == 0
+
+
+async def test_client_gone_mid_stream_aborts_on_the_engine() -> None:
+    async with FastEngineFixture(FastEngineOptions(chunks=1000, delay_s=0.005)) as slow:
+        async with _gateway([slow]) as gateway:
+            stream = gateway.submit(_req("leaver"))
+            assert isinstance(await anext(stream), TokenChunk)
+            await stream.aclose()  # type: ignore[attr-defined]
+            for _ in range(100):
+                if not slow.active:
+                    break
+                await asyncio.sleep(0.01)
+            assert slow.active == {}
+            stats = gateway.queue_stats()["alice"]
+            assert (stats.in_flight_requests, stats.in_flight_tokens) == (0, 0)
+            assert gateway.pool.replicas[0].in_flight == 0
+
+
+async def test_fair_pick_serves_a_late_tenant_before_the_backlog_ends() -> None:
+    async with FastEngineFixture(FastEngineOptions(chunks=2, delay_s=0.002)) as slow:
+        slow.record_requests = True
+        async with _gateway([slow], capacity=1) as gateway:
+            tasks = [asyncio.create_task(_run(gateway, _req(f"a{i}"))) for i in range(12)]
+            await asyncio.sleep(0)
+            tasks.append(asyncio.create_task(_run(gateway, _req("b0", tenant="bob"))))
+            await asyncio.gather(*tasks)
+            order = [r.request_id for r in slow.requests_seen]
+    # FIFO would serve bob 13th. The fair queue lifts bob to alice's counter (which includes the
+    # reservation of her running request, 17 tokens), then serves him once alice's real usage
+    # (3 tokens a request) passes it: 7th or 8th.
+    assert 1 <= order.index("b0") <= 8, order
+
+
+async def test_replica_death_fails_running_requests_and_others_move_on() -> None:
+    slow = FastEngineFixture(FastEngineOptions(chunks=1000, delay_s=0.01))
+    healthy = FastEngineFixture(FastEngineOptions(chunks=4))
+    await slow.start()
+    await healthy.start()
+    try:
+        async with _gateway([slow, healthy], capacity=1) as gateway:
+            gateway.pool.replicas[1].in_flight = 1  # occupy the healthy replica so the first goes to slow
+            doomed = asyncio.create_task(_run(gateway, _req("doomed")))
+            await asyncio.sleep(0.05)
+            assert "doomed" in slow.active
+            gateway.pool.replicas[1].in_flight = 0
+            gateway.queue.pump()
+            waiting = [asyncio.create_task(_run(gateway, _req(f"w{i}"))) for i in range(3)]
+            started = time.monotonic()
+            await slow.stop(0)
+            events = await doomed
+            assert isinstance(events[-1], Error) and events[-1].status is Status.UNAVAILABLE
+            assert time.monotonic() - started < 2.0
+            for result in await asyncio.gather(*waiting):
+                assert isinstance(result[-1], Done)
+    finally:
+        await healthy.stop(0)
+
+
+async def test_request_on_a_replica_dead_before_admission_is_retried_elsewhere(engine: FastEngineFixture) -> None:
+    async with _gateway([free_port(), engine]) as gateway:
+        dead, alive = gateway.pool.replicas
+        dead.healthy = True  # stale health: the first request will find out
+        alive.in_flight = alive.capacity  # force the first pick onto the dead one
+        task = asyncio.create_task(_run(gateway, _req("retry")))
+        await asyncio.sleep(0.3)
+        alive.in_flight = 0
+        gateway.queue.pump()
+        events = await task
+        assert isinstance(events[-1], Done), events
+        assert not dead.healthy
+
+
+async def test_hot_version_switch_lets_in_flight_finish() -> None:
+    async with FastEngineFixture(FastEngineOptions(chunks=40, delay_s=0.01)) as slow:
+        async with _gateway([slow]) as gateway:
+            old = asyncio.create_task(_run(gateway, _req("old", adapter="pirate")))
+            await asyncio.sleep(0.05)
+            await asyncio.to_thread(gateway.registry.apply, _instance("pirate", ("v1", 0), ("v2", 100)))
+            for _ in range(100):
+                if "pirate@v2" in slow.adapters:
+                    break
+                await asyncio.sleep(0.01)
+            assert "pirate@v2" in slow.adapters
+            new = await _run(gateway, _req("new", adapter="pirate"))
+            assert isinstance(new[-1], Done) and new[-1].adapter_version == "v2"
+            previous = await old
+            assert isinstance(previous[-1], Done) and previous[-1].adapter_version == "v1"
+            for _ in range(100):
+                if "pirate@v1" not in slow.adapters:
+                    break
+                await asyncio.sleep(0.01)
+            assert "pirate@v1" not in slow.adapters
+
+
+async def test_without_any_healthy_engine_requests_fail_fast() -> None:
+    async with _gateway([free_port()]) as gateway:
+        started = time.monotonic()
+        events = await _run(gateway, _req("nowhere"))
+        assert isinstance(events[0], Error) and events[0].status is Status.UNAVAILABLE
+        assert events[0].retry_after_s is not None and time.monotonic() - started < 0.5
+
+
+async def test_losing_the_last_engine_fails_queued_requests() -> None:
+    slow = FastEngineFixture(FastEngineOptions(chunks=1000, delay_s=0.01))
+    await slow.start()
+    async with _gateway([slow], capacity=1) as gateway:
+        running = asyncio.create_task(_run(gateway, _req("running")))
+        queued = [asyncio.create_task(_run(gateway, _req(f"q{i}"))) for i in range(3)]
+        await asyncio.sleep(0.05)
+        assert gateway.queue_stats()["alice"].depth == 3
+        await slow.stop(0)
+        results = await asyncio.wait_for(asyncio.gather(running, *queued), 3)
+        assert all(isinstance(r[-1], Error) and r[-1].status is Status.UNAVAILABLE for r in results)
+        assert gateway.queue_stats()["alice"].depth == 0
+
+
+async def test_anonymous_tenant_when_configured(engine: FastEngineFixture) -> None:
+    async with _gateway([engine]) as gateway:
+        gateway._anonymous = "alice"
+        assert gateway.authenticate(None) == "alice"
+        assert gateway.authenticate("key-b") == "bob"
+
+
+async def test_queue_and_engine_spans_join_the_callers_trace(engine: FastEngineFixture, spans: Any) -> None:
+    trace_id, parent_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    context = {"traceparent": f"00-{trace_id}-{parent_id}-01"}
+    async with _gateway([engine]) as gateway:
+        events = await _run(gateway, _req("traced", trace_context=context))
+    assert isinstance(events[-1], Done)
+    finished = {s.name: s for s in spans.get_finished_spans()}
+    assert {"gateway.queue", "gateway.engine"} <= set(finished)
+    for name in ("gateway.queue", "gateway.engine"):
+        span = finished[name]
+        assert f"{span.context.trace_id:032x}" == trace_id
+        assert span.parent is not None and f"{span.parent.span_id:016x}" == parent_id
+    assert finished["gateway.engine"].attributes["engine.replica"] == "engine-0"
+
+
+async def test_engine_that_forgot_an_adapter_gets_it_registered_again(engine: FastEngineFixture) -> None:
+    async with _gateway([engine], poll_s=60) as gateway:
+        engine.adapters.clear()  # as if the engine restarted between two polls
+        events = await _run(gateway, _req("again", adapter="pirate"))
+        assert isinstance(events[-1], Done) and events[-1].adapter_version == "v1"
+        assert [c.name for c in engine.load_calls].count("pirate@v1") == 2
+
+
+async def test_retry_with_no_healthy_replica_left_fails_fast() -> None:
+    async with _gateway([free_port()]) as gateway:
+        gateway.pool.replicas[0].healthy = True  # stale: the request finds out it is dead
+        started = time.monotonic()
+        events = await _run(gateway, _req("stranded"))
+        assert isinstance(events[-1], Error) and events[-1].status is Status.UNAVAILABLE
+        assert time.monotonic() - started < 2.0

@@ -1,0 +1,185 @@
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+
+import pytest
+
+from bench.fast_engine import FastEngineFixture, FastEngineOptions
+from gateway.api import Done, GatewayRequest, SamplingParams, TokenChunk
+from gateway.engine_client import EnginePool, ReplicaFailed
+from gateway.errors import InvalidRequest
+from gateway.registry import ResolvedAdapter
+from tests.conftest import free_port
+
+
+def _request(rid: str = "r1", max_tokens: int | None = None, prompt: str = "hello there") -> GatewayRequest:
+    return GatewayRequest(
+        request_id=rid, tenant="t", adapter=None, prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens)
+    )
+
+
+def _adapter(name: str = "pirate", version: str = "v1", source: str = "adapters/pirate") -> ResolvedAdapter:
+    return ResolvedAdapter(name, version, source, f"{name}@{version}", pin=True, priority=0)
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[list[FastEngineFixture]]:
+    fixtures = [FastEngineFixture(FastEngineOptions(chunks=4)) for _ in range(2)]
+    for f in fixtures:
+        await f.start()
+    yield fixtures
+    for f in fixtures:
+        await f.stop(0)
+
+
+async def _collect(pool: EnginePool, request: GatewayRequest, adapter: ResolvedAdapter | None = None) -> list[object]:
+    replica = pool.acquire(adapter.engine_name if adapter else None)
+    assert replica is not None
+    try:
+        return [event async for event in pool.generate(replica, request, adapter)]
+    finally:
+        pool.release(replica)
+
+
+async def test_streams_chunks_then_done_with_usage(engines: list[FastEngineFixture]) -> None:
+    async with EnginePool([f"127.0.0.1:{engines[0].port}"]) as pool:
+        events = await _collect(pool, _request(max_tokens=3))
+    assert events[:3] == [TokenChunk("tok ", 1)] * 3
+    done = events[3]
+    assert isinstance(done, Done) and done.finish_reason == "length" and done.adapter_version is None
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (2, 3)
+
+
+async def test_registers_adapter_once_with_absolute_path(engines: list[FastEngineFixture]) -> None:
+    engine = engines[0]
+    adapter = _adapter()
+    async with EnginePool([f"127.0.0.1:{engine.port}"]) as pool:
+        results = await asyncio.gather(*(_collect(pool, _request(f"r{i}"), adapter) for i in range(8)))
+    assert all(isinstance(r[-1], Done) and r[-1].adapter_version == "v1" for r in results)
+    assert len(engine.load_calls) == 1
+    call = engine.load_calls[0]
+    assert (call.name, call.path, call.pin, call.wait) == ("pirate@v1", f"{os.getcwd()}/adapters/pirate", True, False)
+
+
+async def test_prefers_replica_holding_the_adapter_then_least_loaded(engines: list[FastEngineFixture]) -> None:
+    async with EnginePool([f"127.0.0.1:{e.port}" for e in engines], max_concurrency=4) as pool:
+        a, b = pool.replicas
+        b.adapters["pirate@v1"] = "resident"
+        assert pool.acquire("pirate@v1") is b
+        assert pool.acquire("pirate@v1") is b  # still preferred while it has room
+        assert pool.acquire(None) is a  # base: least loaded
+        assert pool.acquire("other@v1") is a  # cold everywhere: least loaded (a 1/4, b 2/4)
+        b.healthy = False
+        assert pool.acquire("pirate@v1") is a
+        assert pool.acquire(None) is a
+        assert pool.acquire(None) is None  # a is full, b unhealthy
+        assert not pool.has_capacity()
+        woken: list[int] = []
+        pool.add_capacity_listener(lambda: woken.append(1))
+        pool.release(a)
+        assert woken == [1]
+        assert pool.has_capacity()
+
+
+async def test_engine_errors_map_to_gateway_errors() -> None:
+    async with FastEngineFixture(FastEngineOptions(max_model_len=2)) as engine:
+        async with EnginePool([f"127.0.0.1:{engine.port}"]) as pool:
+            with pytest.raises(InvalidRequest, match="max_model_len"):
+                await _collect(pool, _request(prompt="x" * 100))
+
+
+async def test_closing_the_stream_cancels_on_the_engine() -> None:
+    async with FastEngineFixture(FastEngineOptions(chunks=1000, delay_s=0.005)) as engine:
+        async with EnginePool([f"127.0.0.1:{engine.port}"]) as pool:
+            replica = pool.acquire(None)
+            assert replica is not None
+            stream = pool.generate(replica, _request("gone"), None)
+            assert isinstance(await anext(stream), TokenChunk)
+            assert "gone" in engine.active
+            await stream.aclose()
+            for _ in range(100):
+                if "gone" not in engine.active:
+                    break
+                await asyncio.sleep(0.01)
+            assert "gone" not in engine.active
+            assert replica.calls == set()
+
+
+async def test_replica_death_fails_its_streams_and_marks_it_unhealthy(engines: list[FastEngineFixture]) -> None:
+    slow = FastEngineFixture(FastEngineOptions(chunks=1000, delay_s=0.01))
+    await slow.start()
+    async with EnginePool([f"127.0.0.1:{slow.port}", f"127.0.0.1:{engines[0].port}"], poll_interval_s=0.05) as pool:
+        dying = pool.replicas[0]
+        replica = pool.acquire(None)
+        assert replica is dying
+        stream = pool.generate(replica, _request("doomed"), None)
+        assert isinstance(await anext(stream), TokenChunk)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await slow.stop(0)
+        with pytest.raises(ReplicaFailed) as failure:
+            async for _ in stream:
+                pass
+        assert loop.time() - started < 2.0
+        assert failure.value.before_admission is False
+        pool.release(replica)
+        for _ in range(100):
+            if not dying.healthy:
+                break
+            await asyncio.sleep(0.02)
+        assert not dying.healthy
+        assert pool.acquire(None) is pool.replicas[1]
+
+
+async def test_unreachable_replica_fails_before_admission() -> None:
+    async with EnginePool([f"127.0.0.1:{free_port()}"], rpc_timeout_s=0.5) as pool:
+        replica = pool.replicas[0]
+        assert not replica.healthy
+        replica.healthy = True  # pretend an old poll said so
+        with pytest.raises(ReplicaFailed) as failure:
+            async for _ in pool.generate(replica, _request(), None):
+                pass
+        assert failure.value.before_admission is True
+        assert not replica.healthy
+
+
+async def test_poll_restores_health_and_calls_listeners() -> None:
+    engine = FastEngineFixture()
+    port = free_port()
+    async with EnginePool([f"127.0.0.1:{port}"], poll_interval_s=0.05, rpc_timeout_s=0.5) as pool:
+        healthy: list[str] = []
+        pool.add_health_listener(lambda r: healthy.append(r.name))
+        assert pool.healthy_count() == 0
+        await engine.start(port=port)
+        try:
+            for _ in range(200):
+                if healthy:
+                    break
+                await asyncio.sleep(0.02)
+            assert healthy == ["engine-0"]
+            assert pool.residency()["engine-0"]["healthy"] is True
+        finally:
+            await engine.stop(0)
+
+
+async def test_retired_versions_unload_once_idle() -> None:
+    async with FastEngineFixture(FastEngineOptions(chunks=30, delay_s=0.01)) as engine:
+        async with EnginePool([f"127.0.0.1:{engine.port}"]) as pool:
+            old = _adapter(version="v1")
+            running = asyncio.create_task(_collect(pool, _request("old"), old))
+            for _ in range(200):
+                if "old" in engine.active:
+                    break
+                await asyncio.sleep(0.005)
+            pool.retire(["pirate@v1"])
+            await asyncio.sleep(0.05)
+            assert "pirate@v1" in engine.adapters  # still in use
+            events = await running
+            assert isinstance(events[-1], Done)
+            for _ in range(100):
+                if "pirate@v1" not in engine.adapters:
+                    break
+                await asyncio.sleep(0.01)
+            assert engine.unload_calls == ["pirate@v1"]
