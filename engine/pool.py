@@ -24,6 +24,7 @@ import torch
 
 from engine.adapters import AdapterError, AdapterSpec, load_adapter, read_spec
 from engine.config import ModelArch
+from engine.eviction import DecayedFrequencyPolicy, EvictionPolicy
 from engine.lora import AdapterWeights, LoRAStacks
 
 
@@ -57,6 +58,11 @@ class AdapterVersion:
     tokens_generated: int = 0
 
     @property
+    def key(self) -> str:
+        """Identity for the eviction policy: per version, since old and new may both hold slots in a swap."""
+        return f"{self.name}#{self.id}"
+
+    @property
     def state(self) -> AdapterState:
         if self.slot is not None:
             return AdapterState.RESIDENT
@@ -70,8 +76,17 @@ class AdapterVersion:
 class AdapterPool:
     """Adapters by name, their host copies and their slots in `stacks`."""
 
-    def __init__(self, arch: ModelArch, stacks: LoRAStacks, dtype: torch.dtype, host_capacity: int) -> None:
+    def __init__(
+        self,
+        arch: ModelArch,
+        stacks: LoRAStacks,
+        dtype: torch.dtype,
+        host_capacity: int,
+        eviction: EvictionPolicy | None = None,
+    ) -> None:
         self._arch, self._stacks, self._dtype = arch, stacks, dtype
+        # Every slot holds up to max_rank whatever the adapter's rank, so slots are sized 1 for the policy.
+        self._eviction: EvictionPolicy = eviction if eviction is not None else DecayedFrequencyPolicy()
         self._host_capacity = host_capacity
         self._lock = threading.RLock()  # a load may finish inside _start_load
         self._by_name: dict[str, AdapterVersion] = {}
@@ -80,6 +95,7 @@ class AdapterPool:
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="adapter-load")
         self.on_loaded: list[Callable[[], None]] = []
         self.loads_started = 0
+        self.evictions = 0
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -147,6 +163,8 @@ class AdapterPool:
                 self._stacks.set_lora(slot, version.weights)
                 self._slots[slot] = version
                 version.slot = slot
+                self._eviction.on_insert(version.key, 1, time.monotonic())
+            self._eviction.on_access(version.key, 1, time.monotonic())
             version.active += 1
             version.requests_served += 1
             version.last_used = time.monotonic()
@@ -189,19 +207,18 @@ class AdapterPool:
         for slot, holder in enumerate(self._slots):
             if holder is None:
                 return slot
-        idle = [
-            (v.last_used, slot)
-            for slot, v in enumerate(self._slots)
-            if v is not None and v.active == 0 and not v.pinned
-        ]
-        if not idle:
+        idle = {v.key: slot for slot, v in enumerate(self._slots) if v is not None and v.active == 0 and not v.pinned}
+        key = self._eviction.victim(idle, time.monotonic())
+        if key is None:
             return None
-        _, slot = min(idle)
+        slot = idle[key]
         evicted = self._slots[slot]
         assert evicted is not None
+        self._eviction.on_remove(key)
         evicted.slot = None
         self._slots[slot] = None
         self._stacks.reset_lora(slot)
+        self.evictions += 1
         return slot
 
     def _trim_host(self) -> None:
@@ -223,6 +240,7 @@ class AdapterPool:
 
     def _drop(self, version: AdapterVersion) -> None:
         if version.slot is not None:
+            self._eviction.on_remove(version.key)
             self._slots[version.slot] = None
             self._stacks.reset_lora(version.slot)
             version.slot = None

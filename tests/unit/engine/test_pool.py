@@ -36,7 +36,7 @@ def test_register_loads_in_background_then_acquires_a_slot(pool: AdapterPool, tm
     assert version.active == 2
 
 
-def test_idle_adapter_is_evicted_least_recently_used_first(pool: AdapterPool, tmp_path: Path) -> None:
+def test_only_idle_adapters_are_evicted(pool: AdapterPool, tmp_path: Path) -> None:
     a, b, c = (_loaded(pool, n, write_adapter(tmp_path / n, seed=i)) for i, n in enumerate("abc"))
     for v in (a, b):
         pool.acquire(v)
@@ -44,6 +44,20 @@ def test_idle_adapter_is_evicted_least_recently_used_first(pool: AdapterPool, tm
     pool.acquire(b)  # b is busy again and more recent
     assert pool.acquire(c) is not None
     assert a.slot is None and b.slot is not None and c.slot is not None
+
+
+def test_frequently_used_adapter_outlives_a_recent_one_off(pool: AdapterPool, tmp_path: Path) -> None:
+    hot, once, new = (
+        _loaded(pool, n, write_adapter(tmp_path / n, seed=i)) for i, n in enumerate(("hot", "once", "new"))
+    )
+    for _ in range(5):
+        pool.acquire(hot)
+        pool.release(hot, tokens=1)
+    pool.acquire(once)
+    pool.release(once, tokens=1)  # more recent than `hot`, but used once: plain LRU would evict `hot`
+    assert pool.acquire(new) is not None
+    assert hot.slot is not None and once.slot is None
+    assert pool.evictions == 1
 
 
 def test_busy_and_pinned_adapters_are_never_evicted(pool: AdapterPool, tmp_path: Path) -> None:
