@@ -121,10 +121,12 @@ def _check_weights_header(folder: Path, arch: ModelArch, rank: int) -> frozenset
 def load_adapter(spec: AdapterSpec, dtype: torch.dtype) -> AdapterWeights:
     """Read the adapter's tensors into host memory (pinned when CUDA is available)."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     try:
-        raw = load_file(str(spec.path / WEIGHTS_FILE))
+        # Read, then parse: a memory-mapped file that shrinks under us (replaced, truncated) would kill
+        # the whole process with SIGBUS; a short read is just a parse error for this one adapter.
+        raw = load((spec.path / WEIGHTS_FILE).read_bytes())
     except (SafetensorError, OSError) as exc:
         raise AdapterError(f"{spec.path}: cannot load {WEIGHTS_FILE} ({exc})") from exc
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}

@@ -127,6 +127,9 @@ class LLMEngine:
             version = self.pool.lookup(adapter)
             if version is None:
                 raise EngineError("NOT_FOUND", f"adapter {adapter!r} is not registered on this engine")
+            failure = self.pool.failure(version)
+            if failure is not None:
+                raise EngineError("UNAVAILABLE", f"adapter {adapter!r} failed to load: {failure}")
         seq = Sequence(
             request_id=request_id,
             prompt_ids=list(prompt_ids),
@@ -225,8 +228,8 @@ class LLMEngine:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             if seq.aborted:
                 self._finish(seq, "abort")
-            elif seq.status is SeqStatus.WAITING and seq.adapter is not None and seq.adapter.error:
-                self._finish(seq, "error", error=seq.adapter.error)
+            elif seq.status is SeqStatus.WAITING and seq.adapter is not None and self.pool.failure(seq.adapter):
+                self._finish(seq, "error", error=f"adapter {seq.adapter.name!r} failed to load: {seq.adapter.error}")
 
     def step(self) -> None:
         """One forward pass: prefill newly admitted requests, decode one token for all running ones."""

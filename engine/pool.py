@@ -50,6 +50,7 @@ class AdapterVersion:
     weights: AdapterWeights | None = None
     loading: Future[AdapterWeights] | None = None
     error: str | None = None
+    failed_at: float = 0.0  # when `error` was set: the negative cache holds it for a while
     slot: int | None = None
     active: int = 0  # running requests using the slot
     retired: bool = False  # replaced or unloaded; freed once idle
@@ -96,6 +97,7 @@ class AdapterPool:
         self.on_loaded: list[Callable[[], None]] = []
         self.loads_started = 0
         self.evictions = 0
+        self.negative_ttl_s = 10.0
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -147,9 +149,19 @@ class AdapterPool:
     def ready(self, version: AdapterVersion) -> bool:
         """Whether `version` can get a slot now; starts its load if its weights are not in memory."""
         with self._lock:
-            if version.weights is None and version.loading is None:
+            if version.weights is None and version.loading is None and not self._recently_failed(version):
                 self._start_load(version)
             return version.weights is not None
+
+    def failure(self, version: AdapterVersion) -> str | None:
+        """Why `version` cannot load, while its failure is in the negative cache (else None)."""
+        with self._lock:
+            return version.error if self._recently_failed(version) else None
+
+    def _recently_failed(self, version: AdapterVersion) -> bool:
+        # A missing or broken file is not retried on every request: disk reads would pile up behind a
+        # client that keeps asking. After the TTL one new request tries again (the file may be fixed).
+        return version.error is not None and time.monotonic() - version.failed_at < self.negative_ttl_s
 
     def acquire(self, version: AdapterVersion) -> int | None:
         """The slot holding `version` (loading it into one, evicting an idle adapter if needed), or None."""
@@ -195,6 +207,7 @@ class AdapterPool:
             exc = future.exception()
             if exc is not None:
                 version.error = str(exc) if isinstance(exc, AdapterError) else f"load failed: {exc!r}"
+                version.failed_at = time.monotonic()
                 return
             # A retired version still loads: requests admitted before the swap finish on it.
             version.weights = future.result()

@@ -104,3 +104,19 @@ def test_many_concurrent_requests_for_a_cold_adapter_cause_one_load(pool: Adapte
         pool.ready(version)
     pool.wait_loaded(version, timeout=10)
     assert pool.loads_started == before
+
+
+def test_failed_load_is_not_retried_while_in_the_negative_cache(pool: AdapterPool, tmp_path: Path) -> None:
+    folder = write_adapter(tmp_path / "a")
+    version = pool.register("a", folder)
+    (folder / "adapter_model.safetensors").write_bytes(b"")  # deleted/truncated after registration
+    version.weights = None
+    with pytest.raises(AdapterError):
+        pool.wait_loaded(version, timeout=10)
+    loads = pool.loads_started
+    for _ in range(10):
+        assert not pool.ready(version)
+    assert pool.loads_started == loads and pool.failure(version) is not None
+    pool.negative_ttl_s = 0.0  # expired: the next request tries the disk again
+    pool.ready(version)
+    assert pool.loads_started == loads + 1
