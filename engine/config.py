@@ -23,6 +23,7 @@ class EngineConfig:
     max_lora_rank: int = 32
     host_adapter_cache: int = 64  # adapters kept loaded in host memory
     default_max_tokens: int = 256
+    gpu_memory_utilization: float = 0.9  # share of free GPU memory the KV cache may take
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
 
     def validate(self) -> None:
@@ -40,6 +41,8 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be within (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_num_batched_tokens < self.max_model_len:

@@ -68,8 +68,8 @@ class LLMEngine:
         model = DecoderModel(arch)
         model.load_state(state)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.kv = KVCache(arch, config.max_num_seqs, self.max_model_len, self.dtype, self.device)
         self.stacks = LoRAStacks(arch, config.lora_slots, config.max_lora_rank, self.dtype, self.device)
+        self.kv = KVCache(arch, self._kv_slots(), self.max_model_len, self.dtype, self.device)
         self.pool = AdapterPool(arch, self.stacks, self.dtype, config.host_adapter_cache)
         self.pool.on_loaded.append(self._wake)
         self.scheduler = Scheduler(self.kv, self.pool, config.max_num_batched_tokens)
@@ -82,6 +82,25 @@ class LLMEngine:
         self.steps = 0
         self.tokens_generated = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def _kv_slots(self) -> int:
+        """KV slots: `max_num_seqs`, fewer on a GPU whose free memory cannot hold them."""
+        wanted = self.config.max_num_seqs
+        if self.device.type != "cuda":
+            return wanted
+        free, _ = torch.cuda.mem_get_info(self.device)
+        per_slot = KVCache.bytes_per_token(self.arch, self.dtype) * self.max_model_len
+        # Leave room for activations of a full prefill step (logits over the vocabulary dominate).
+        reserve = self.config.max_num_batched_tokens * self.arch.vocab_size * 4 * 2
+        fit = int((free * self.config.gpu_memory_utilization - reserve) // per_slot)
+        if fit < 1:
+            raise ValueError(
+                f"not enough GPU memory for one KV slot of {self.max_model_len} tokens "
+                f"({per_slot / 2**20:.0f} MiB); lower max_model_len"
+            )
+        if fit < wanted:
+            log.warning("GPU memory holds %d KV slots of %d tokens, not %d", fit, self.max_model_len, wanted)
+        return min(wanted, fit)
 
     # -- lifecycle --------------------------------------------------------------------------------
 

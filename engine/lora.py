@@ -9,10 +9,15 @@ forward pass serves base rows and any mix of adapters and ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from engine import kernels
 from engine.config import ModelArch
+
+if TYPE_CHECKING:
+    from engine.kernels_triton import SegmentPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +109,12 @@ class LoRABatch:
         # Many adapters over few tokens (decode) on the CPU: multiply by every slot at once and keep each
         # token's own slot through a scaled one-hot mask; 3 ops per projection whatever the adapter count.
         self.dense_mask: torch.Tensor | None = None
+        # On CUDA the triton kernels take a per-step plan (tokens grouped by slot), built once here.
+        self.plan: SegmentPlan | None = None
+        if device.type == "cuda":
+            from engine.kernels_triton import plan_segments
+
+            self.plan = plan_segments(token_slots, device)
         if stacks.bt and len(self.segments) > 1 and len(token_slots) <= _DENSE_MAX_TOKENS:
             mask = torch.zeros(len(token_slots), stacks.slots, 1, dtype=stacks.dtype, device=device)
             for seg in self.segments:
@@ -122,6 +133,10 @@ class LoRABatch:
         if module not in self.modules:
             return
         a_stack, b_stack = self.stacks.a[(layer, module)], self.stacks.b[(layer, module)]
+        if self.plan is not None:
+            s = self.stacks
+            kernels.lora_apply(y, x, a_stack, b_stack, s.ranks, s.scalings, self.token_slots, plan=self.plan)
+            return
         if self.dense_mask is not None:
             slots, rank = a_stack.shape[0], a_stack.shape[1]
             h = (x @ a_stack.view(slots * rank, -1).t()).view(-1, slots, rank) * self.dense_mask

@@ -97,6 +97,8 @@ def expected_y(case: Case) -> torch.Tensor:
 # Slots: 0 rank 8, 1 rank 16, 2 empty, 3 rank 4, 4 rank 16 (unused). Slot 1 has 18 tokens so that it
 # spans two chunks of 16; -1 tokens are interleaved; slot 2 (rank 0) must leave its tokens untouched.
 MIXED_SLOTS = [1, -1, 0, 1, 3, 1, 2, 1, -1, 1, 1, 0, 1, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1, 1, 2, -1]
+FEW_CHUNK_SLOTS = [1] * 20 + [-1] * 3 + [3, 2, 3]  # chunks: slot 1 x2, slot 3, slot 2 (rank 0)
+SHORT_SLOTS = [1, -1, 0, 3, 1, 2, 1]  # few one-token chunks in a large plan: each gets several programs
 CASES = {
     "mixed-ranks": dict(slot_ranks=[8, 16, 0, 4, 16], max_rank=16, k_dim=48, slice_sizes=[40]),
     "qkv-slices": dict(slot_ranks=[8, 16, 0, 4, 16], max_rank=16, k_dim=40, slice_sizes=[24, 8, 8]),
@@ -189,18 +191,15 @@ def test_plan_groups_tokens_into_chunks() -> None:
 
     slots = [3, -1, 3, 0, 3, 3, 0]
     plan = plan_segments(slots, "cpu", block_m=2, num_chunks=chunk_capacity(len(slots), 4, 2))
-    lens = plan.chunk_len.tolist()
-    real = [i for i, n in enumerate(lens) if n]
-    chunks = {
-        (int(plan.chunk_slot[i]), tuple(plan.token_order[plan.chunk_start[i] : plan.chunk_start[i] + lens[i]].tolist()))
-        for i in real
-    }
+    assert plan.num_chunks == 8 and int(plan.num_real) == 3
+    order = plan.token_order.tolist()
+    chunks = {(s, tuple(order[start : start + n])) for s, start, n in plan.chunks.tolist()[:3]}
     assert chunks == {(3, (0, 2)), (3, (4, 5)), (0, (3, 6))}
-    assert plan.num_chunks == 8 and sum(lens) == 6
+    assert all(n == 0 for _, _, n in plan.chunks.tolist()[3:])
 
-    other = plan_segments([0] * 7, "cpu", block_m=2, num_chunks=plan.num_chunks)
-    plan.copy_(other)
-    assert plan.chunk_len.tolist() == [2, 2, 2, 1, 0, 0, 0, 0]
+    plan.copy_(plan_segments([0] * 7, "cpu", block_m=2, num_chunks=plan.num_chunks))
+    assert int(plan.num_real) == 4
+    assert [n for _, _, n in plan.chunks.tolist()] == [2, 2, 2, 1, 0, 0, 0, 0]
     with pytest.raises(ValueError, match="chunks"):
         plan_segments(list(range(7)), "cpu", block_m=2, num_chunks=3)
 
@@ -224,42 +223,43 @@ def test_triton_interpreted() -> None:
 class TestInterpreted:
     """The triton kernels, interpreted on the CPU, on shapes that hit every mask and early exit."""
 
+    # split: many programs; rank blocks past a slot's rank exit, units split over K and N tiles.
+    # loop: fewest programs; one per unit loops over every K block and N tile, a rank block spans slices.
+    # adapt: 3 real chunks in a plan sized for 9, so each unit gets more programs than the static loop
+    # bounds assume, and every program must stop at its own share of K and N.
+    # token-*: block_m 1 runs the per-token (matrix-vector) bodies, the others the tensor-core tiles.
+    @pytest.mark.parametrize(
+        ("block_m", "block_r", "per_sm", "token_slots"),
+        [
+            (16, 16, 16, MIXED_SLOTS),
+            (16, 64, 1, MIXED_SLOTS),
+            (16, 64, 4, FEW_CHUNK_SLOTS),
+            (1, 64, 4, SHORT_SLOTS),
+            (1, 64, 1, MIXED_SLOTS),
+        ],
+        ids=["split", "loop", "adapt", "token-adapt", "token-loop"],
+    )
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     @pytest.mark.parametrize("name", sorted(CASES))
-    def test_shrink_and_expand(self, name: str, dtype: torch.dtype) -> None:
+    def test_shrink_and_expand(
+        self, name: str, dtype: torch.dtype, block_m: int, block_r: int, per_sm: int, token_slots: list[int]
+    ) -> None:
         from engine import kernels_triton as kt
 
-        case = case_for(name, dtype)
+        case = case_for(name, dtype, token_slots)
         tol = TOLERANCE[dtype]
-        # Padding chunks (length 0) must be no-ops; block_k 16 forces a K split with a ragged tail.
-        plan = kt.plan_segments(case.token_slots, "cpu", block_m=16, num_chunks=9)
-        shrink_cfg = kt.ShrinkConfig(block_k=16, programs_per_sm=16)
+        # Padding chunks must be no-ops; block_k 16 leaves a ragged K tail.
+        num_chunks = 9 if block_m == 16 else len(token_slots) + 20
+        plan = kt.plan_segments(case.token_slots, "cpu", block_m=block_m, num_chunks=num_chunks)
         lr = case.a_stack.shape[1]
-        parts = kt.num_parts(case.x.shape[1], lr, plan, case.x.device, shrink_cfg)
-        assert parts > 1
-        h_parts = torch.zeros(parts, case.x.shape[0], lr)
-        kt.shrink(
-            case.x,
-            case.a_stack,
-            case.ranks,
-            plan,
-            num_slices=len(case.slice_sizes),
-            out=h_parts,
-            config=shrink_cfg,
-        )
-        assert rel_err(h_parts.sum(0), expected_h(case)) < tol
+        h = torch.zeros(case.x.shape[0], lr)
+        shrink_cfg = kt.ShrinkConfig(block_k=16, block_r=block_r, programs_per_sm=per_sm)
+        kt.shrink(case.x, case.a_stack, case.ranks, plan, h, num_slices=len(case.slice_sizes), config=shrink_cfg)
+        assert rel_err(h, expected_h(case)) < tol
 
         y = case.y.clone()
-        kt.expand(
-            y,
-            h_parts,
-            case.b_stack,
-            case.ranks,
-            case.scalings,
-            plan,
-            slice_sizes=case.slice_sizes,
-            config=kt.ExpandConfig(block_n=16),
-        )
+        expand_cfg = kt.ExpandConfig(block_n=16, programs_per_sm=per_sm)
+        kt.expand(y, h, case.b_stack, case.ranks, case.scalings, plan, slice_sizes=case.slice_sizes, config=expand_cfg)
         assert rel_err(y, expected_y(case)) < tol
         untouched = (case.token_slots < 0) | (case.token_slots == 2)
         assert torch.equal(y[untouched], case.y[untouched])
@@ -272,6 +272,7 @@ class TestInterpreted:
         plan = kt.plan_segments(case.token_slots, "cpu", block_m=16)
         assert plan.num_chunks == 3
         y = case.y.clone()
-        h = kt.shrink(case.x, case.a_stack, case.ranks, plan)
+        h = torch.zeros(len(slots), 16)
+        kt.shrink(case.x, case.a_stack, case.ranks, plan, h)
         kt.expand(y, h, case.b_stack, case.ranks, case.scalings, plan, config=kt.ExpandConfig(block_n=16))
         assert rel_err(y, expected_y(case)) < TOLERANCE[torch.float32]

@@ -1,0 +1,522 @@
+"""Multi-LoRA on one GPU at Llama-7B shapes: the triton kernels against gather + torch.bmm, and their share
+of a whole decode layer. Run on a CUDA machine: `PYTHONPATH=. python3 bench/engine_gpu.py [--quick] [--sweep]`
+(--sweep tries launch shapes for per-token chunks first and uses the best; figures for both chunk heights,
+1 and 16, are printed side by side).
+
+(a) LoRA time per layer (shrink + expand of q, k, v, o, gate, up, down; q/k/v and gate/up fused), decode
+    batch 64, rank 16: 64 distinct adapters, 1 adapter, 8 adapters x 8 tokens, and gather + bmm.
+(c) mixed ranks {8, 16, 32, 64} in one rank-64 stack against uniform rank 16, at equal adapter bytes.
+(b) one decoder layer's decode step (KV length 512, SDPA, CUDA graph; eager separately): no LoRA,
+    1 adapter, 64 distinct adapters, next to the bandwidth bound base_bytes / (base_bytes + adapter_bytes).
+Every figure is a ratio measured side by side in this run, after a correctness check against the torch
+reference; the summary comes last. Times are medians of `triton.testing.do_bench` (L2 flushed per call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+from engine import kernels
+from engine import kernels_triton as kt
+
+HIDDEN, INTER, HEADS, HEAD_DIM, KV_LEN, BATCH, RANK, SLOTS = 4096, 11008, 32, 128, 512, 64, 16, 64
+DTYPE = torch.bfloat16
+DEV = torch.device("cuda")
+SUMMARY: list[str] = []
+
+
+@dataclass(frozen=True, slots=True)
+class Proj:
+    """One LoRA'd projection of the layer; several slices share one input (fused q/k/v, gate/up)."""
+
+    name: str
+    k: int
+    slices: tuple[int, ...]
+
+
+PROJS = (
+    Proj("qkv", HIDDEN, (HIDDEN, HIDDEN, HIDDEN)),
+    Proj("o", HIDDEN, (HIDDEN,)),
+    Proj("gate_up", HIDDEN, (INTER, INTER)),
+    Proj("down", INTER, (HIDDEN,)),
+)
+
+
+@dataclass
+class LayerLoRA:
+    """Stacked adapters of one layer for every projection, and the step's activations."""
+
+    a: dict[str, torch.Tensor]
+    b: dict[str, torch.Tensor]
+    ranks: torch.Tensor
+    scalings: torch.Tensor
+    xs: dict[str, torch.Tensor] = field(default_factory=dict)
+    ys: dict[str, torch.Tensor] = field(default_factory=dict)
+    h: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # fp32 [projections, T, max L*R]
+
+    def h_of(self, index: int, lr: int) -> torch.Tensor:
+        return self.h[index, :, :lr]
+
+
+def make_lora(slot_ranks: Sequence[int], max_rank: int) -> LayerLoRA:
+    ranks = torch.tensor(slot_ranks, dtype=torch.int32, device=DEV)
+    keep = torch.arange(max_rank, device=DEV)[None, :] < ranks[:, None]  # [S, R]: zero past each rank
+    lora = LayerLoRA({}, {}, ranks, torch.rand(len(slot_ranks), device=DEV) + 0.5)
+    for p in PROJS:
+        a = torch.randn(len(slot_ranks), len(p.slices), max_rank, p.k, device=DEV) / p.k**0.5
+        lora.a[p.name] = (a * keep[:, None, :, None]).to(DTYPE).flatten(1, 2).contiguous()
+        b = torch.randn(len(slot_ranks), sum(p.slices), max_rank, device=DEV) / max_rank**0.5
+        lora.b[p.name] = (b * keep[:, None, :]).to(DTYPE).contiguous()
+        lora.xs[p.name] = torch.randn(BATCH, p.k, device=DEV).to(DTYPE)
+        lora.ys[p.name] = torch.randn(BATCH, sum(p.slices), device=DEV).to(DTYPE)
+    # One workspace for the layer's h, zeroed by one memset per layer (an engine can zero once per step).
+    lora.h = torch.zeros(len(PROJS) + 3, BATCH, 3 * max_rank, device=DEV)
+    return lora
+
+
+def adapter_bytes(rank: int) -> int:
+    """Bytes of one rank-`rank` adapter's A and B over the 7 projections of a layer."""
+    return sum(rank * (p.k * len(p.slices) + sum(p.slices)) * 2 for p in PROJS)
+
+
+def activation_bytes() -> int:
+    """x read once, y read and written once, per projection."""
+    return sum(BATCH * (p.k + 2 * sum(p.slices)) * 2 for p in PROJS)
+
+
+@dataclass(frozen=True, slots=True)
+class Configs:
+    shrink: kt.ShrinkConfig = field(default_factory=kt.ShrinkConfig)
+    expand: kt.ExpandConfig = field(default_factory=kt.ExpandConfig)
+
+
+def lora_triton(lora: LayerLoRA, plan: kt.SegmentPlan, cfg: Configs, shrink: bool = True, expand: bool = True) -> None:
+    """The layer's 4 shrink + 4 expand launches (and the h memset); either half alone for the sweep."""
+    if shrink:
+        lora.h.zero_()
+    for i, p in enumerate(PROJS):
+        h = lora.h_of(i, lora.a[p.name].shape[1])
+        if shrink:
+            kt.shrink(lora.xs[p.name], lora.a[p.name], lora.ranks, plan, h, num_slices=len(p.slices), config=cfg.shrink)
+        if expand:
+            kt.expand(
+                lora.ys[p.name],
+                h,
+                lora.b[p.name],
+                lora.ranks,
+                lora.scalings,
+                plan,
+                slice_sizes=p.slices,
+                config=cfg.expand,
+            )
+
+
+def _run(lora: LayerLoRA, *, plan: kt.SegmentPlan, cfg: Configs, shrink: bool = True, expand: bool = True) -> None:
+    lora_triton(lora, plan, cfg, shrink, expand)
+
+
+def lora_unfused(lora: LayerLoRA, plan: kt.SegmentPlan, cfg: Configs) -> None:
+    """The same work as 7 separate projections (14 launches), to show what fusing the slices buys."""
+    lora.h.zero_()
+    index = 0
+    for p in PROJS:
+        r = lora.b[p.name].shape[2]
+        n0 = 0
+        for sl, n in enumerate(p.slices):
+            a = lora.a[p.name][:, sl * r : (sl + 1) * r]
+            h = lora.h_of(index, r)
+            kt.shrink(lora.xs[p.name], a, lora.ranks, plan, h, config=cfg.shrink)
+            y = lora.ys[p.name][:, n0 : n0 + n]
+            kt.expand(y, h, lora.b[p.name][:, n0 : n0 + n], lora.ranks, lora.scalings, plan, config=cfg.expand)
+            n0 += n
+            index += 1
+
+
+def lora_bmm(lora: LayerLoRA, slots: torch.Tensor) -> None:
+    """Baseline: gather every token's A and B ([T, R, K], [T, N, R] copies), then two torch.bmm."""
+    scale = lora.scalings[slots.long()][:, None]
+    for p in PROJS:
+        r = lora.b[p.name].shape[2]
+        n0 = 0
+        for sl, n in enumerate(p.slices):
+            a = lora.a[p.name][:, sl * r : (sl + 1) * r][slots.long()]
+            h = torch.bmm(a, lora.xs[p.name].unsqueeze(2))
+            b = lora.b[p.name][:, n0 : n0 + n][slots.long()]
+            lora.ys[p.name][:, n0 : n0 + n] += (scale * torch.bmm(b, h).squeeze(2)).to(DTYPE)
+            n0 += n
+
+
+def grouped_lora(y: torch.Tensor, x: torch.Tensor, lora: LayerLoRA, name: str, slots: torch.Tensor) -> None:
+    """An independent torch path (one matmul pair per adapter present, slice by slice)."""
+    r = lora.b[name].shape[2]
+    n0 = 0
+    for sl, n in enumerate(next(p.slices for p in PROJS if p.name == name)):
+        a = lora.a[name][:, sl * r : (sl + 1) * r]
+        b = lora.b[name][:, n0 : n0 + n]
+        kernels.lora_apply_grouped(y[:, n0 : n0 + n], x, a, b, lora.ranks, lora.scalings, slots)
+        n0 += n
+
+
+def check_lora(lora: LayerLoRA, token_slots: list[int], run: Callable[[], None], label: str) -> None:
+    """Run once from fresh y and compare every projection's LoRA delta with the per-token reference."""
+    for v in lora.ys.values():
+        v.normal_()  # timing replays keep adding into y; start from values of order 1 again
+    saved = {k: v.clone() for k, v in lora.ys.items()}
+    run()
+    torch.cuda.synchronize()
+    slots = torch.tensor(token_slots, dtype=torch.int32)
+    worst = 0.0
+    for p in PROJS:
+        want = saved[p.name].cpu()
+        kernels.lora_apply_reference(
+            want,
+            lora.xs[p.name].cpu(),
+            lora.a[p.name].cpu(),
+            lora.b[p.name].cpu(),
+            lora.ranks.cpu(),
+            lora.scalings.cpu(),
+            slots,
+            p.slices,
+        )
+        got = lora.ys[p.name].cpu()
+        delta_want, delta_got = (
+            want.double() - saved[p.name].cpu().double(),
+            got.double() - saved[p.name].cpu().double(),
+        )
+        worst = max(worst, float((delta_got - delta_want).norm() / delta_want.norm().clamp_min(1e-30)))
+    for k, v in saved.items():
+        lora.ys[k].copy_(v)
+    status = "ok" if worst < 2e-2 else "MISMATCH"
+    print(f"  check {label}: rel err of the LoRA delta {worst:.2e} {status}")
+    if status != "ok":
+        raise AssertionError(f"{label} disagrees with the reference")
+
+
+def graph_of(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def median_us(fn: Callable[[], object], quick: bool) -> float:
+    return (
+        float(triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 150, return_mode="median"))
+        * 1e3
+    )
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    t = median_us(lambda: dst.copy_(src), quick=False)
+    return 2 * src.numel() / (t * 1e-6)
+
+
+def scenario_slots() -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "64 distinct": torch.randperm(SLOTS, generator=gen).tolist(),
+        "1 adapter": [5] * BATCH,
+        "8x8": [t % 8 for t in range(BATCH)],
+    }
+
+
+class LayerStack:
+    """`layers` independent layers' adapters, replayed as one graph so that L2 holds none of them."""
+
+    def __init__(self, slot_ranks: Sequence[int], max_rank: int, layers: int, block_m: int = 16):
+        self.loras = [make_lora(slot_ranks, max_rank) for _ in range(layers)]
+        self.capacity = kt.chunk_capacity(BATCH, len(slot_ranks), block_m)
+        self.block_m = block_m
+        self.plan = kt.plan_segments(list(range(BATCH)), DEV, block_m=block_m, num_chunks=self.capacity)
+
+    def use(self, token_slots: list[int]) -> None:
+        self.plan.copy_(kt.plan_segments(token_slots, DEV, block_m=self.block_m, num_chunks=self.capacity))
+
+    def per_layer_us(self, fn: Callable[[LayerLoRA], None], quick: bool) -> float:
+        def all_layers() -> None:
+            for lora in self.loras:
+                fn(lora)
+
+        return median_us(graph_of(all_layers).replay, quick) / len(self.loras)
+
+
+def section_kernels(args: argparse.Namespace, bw: float) -> dict[int, Configs]:
+    """(a) for each chunk height (1: per-token matrix-vector programs; 16: tensor-core tiles)."""
+    print("\n(a) LoRA per layer, decode batch 64, rank 16, 7 projections (q/k/v and gate/up fused)")
+    layers = 2 if args.quick else 4
+    scen = scenario_slots()
+    configs: dict[int, Configs] = {}
+    best: dict[str, tuple[float, int]] = {}
+    for block_m in (1, 16):
+        stack = LayerStack([RANK] * SLOTS, RANK, layers, block_m)
+        cfg = Configs(*kt.default_configs(block_m))
+        for name, slots in scen.items():
+            stack.use(slots)
+            check_lora(
+                stack.loras[0], slots, partial(_run, stack.loras[0], plan=stack.plan, cfg=cfg), f"{name} m{block_m}"
+            )
+        if args.sweep and block_m == 1:
+            cfg = sweep(stack, scen, args.quick)
+            for name in ("64 distinct", "8x8"):
+                stack.use(scen[name])
+                check_lora(stack.loras[0], scen[name], partial(_run, stack.loras[0], plan=stack.plan, cfg=cfg), name)
+        configs[block_m] = cfg
+        for name, slots in scen.items():
+            stack.use(slots)
+            t = stack.per_layer_us(partial(_run, plan=stack.plan, cfg=cfg), args.quick)
+            floor = (len(set(slots)) * adapter_bytes(RANK) + activation_bytes()) / bw * 1e6
+            print(
+                f"  chunks of {block_m:2d}: {name:12s} {t:7.1f} us/layer  HBM floor {floor:5.1f} us  x{t / floor:4.2f}"
+            )
+            SUMMARY.append(f"(a) chunks of {block_m:2d}, {name:12s}: {t:6.1f} us/layer (HBM floor {floor:5.1f} us)")
+            if name not in best or t < best[name][0]:
+                best[name] = (t, block_m)
+        if block_m == 1:
+            stack.use(scen["64 distinct"])
+            unfused = stack.per_layer_us(partial(lora_unfused, plan=stack.plan, cfg=cfg), args.quick)
+            fused = best["64 distinct"][0]
+            SUMMARY.append(
+                f"(a) 64 distinct, 7 unfused projections vs fused q/k/v, gate/up: {unfused:.1f} -> {fused:.1f} us"
+            )
+            slots_t = torch.tensor(scen["64 distinct"], dtype=torch.int32, device=DEV)
+            bmm = stack.per_layer_us(partial(lora_bmm, slots=slots_t), args.quick)
+            check_lora(stack.loras[0], scen["64 distinct"], partial(lora_bmm, stack.loras[0], slots_t), "gather+bmm")
+            print(f"  gather + torch.bmm, 64 distinct: {bmm:7.1f} us/layer")
+        del stack
+        torch.cuda.empty_cache()
+    for name, (t, block_m) in best.items():
+        SUMMARY.append(
+            f"(a) best {name:12s}: {t:6.1f} us/layer (chunks of {block_m}); gather+bmm/triton x{bmm / t:.1f}"
+        )
+    SUMMARY.append(f"(a) gather + torch.bmm, 64 distinct: {bmm:6.1f} us/layer")
+    return configs
+
+
+def sweep(stack: LayerStack, scen: dict[str, list[int]], quick: bool) -> Configs:
+    """Time shrink and expand configurations apart (64 distinct + 1 adapter) and keep the best of each."""
+    print(f"  sweep, chunks of {stack.block_m} (us/layer: 64 distinct, 1 adapter)")
+    best_s: tuple[float, kt.ShrinkConfig] | None = None
+    for bk, br, warps in itertools.product((64, 128, 256), (16, 64), (4, 8)):
+        cfg = Configs(shrink=kt.ShrinkConfig(block_k=bk, block_r=br, num_warps=warps, programs_per_sm=8))
+        t = []
+        for name in ("64 distinct", "1 adapter"):
+            stack.use(scen[name])
+            t.append(stack.per_layer_us(partial(_run, plan=stack.plan, cfg=cfg, expand=False), quick))
+        print(f"    shrink {cfg.shrink}: {t[0]:6.1f} {t[1]:6.1f}")
+        if best_s is None or sum(t) < best_s[0]:
+            best_s = (sum(t), cfg.shrink)
+    assert best_s is not None
+    best_e: tuple[float, kt.ExpandConfig] | None = None
+    for bn, warps, pps in itertools.product((512, 1024, 2048), (4, 8), (2, 4, 8)):
+        cfg = Configs(shrink=best_s[1], expand=kt.ExpandConfig(block_n=bn, num_warps=warps, programs_per_sm=pps))
+        t = []
+        for name in ("64 distinct", "1 adapter"):
+            stack.use(scen[name])
+            t.append(stack.per_layer_us(partial(_run, plan=stack.plan, cfg=cfg, shrink=False), quick))
+        print(f"    expand {cfg.expand}: {t[0]:6.1f} {t[1]:6.1f}")
+        if best_e is None or sum(t) < best_e[0]:
+            best_e = (sum(t), cfg.expand)
+    assert best_e is not None
+    print(f"  best: {best_s[1]} {best_e[1]}")
+    SUMMARY.append(f"sweep best: {best_s[1]} {best_e[1]}")
+    return Configs(best_s[1], best_e[1])
+
+
+def section_mixed(args: argparse.Namespace, configs: dict[int, Configs], bw: float) -> None:
+    print("\n(c) mixed ranks, 64 distinct adapters, equal adapter bytes")
+    gen = torch.Generator().manual_seed(1)
+    mixed = [8] * 40 + [16] * 12 + [32] * 8 + [64] * 4  # sum of ranks 1024 = 64 x 16
+    mixed = [mixed[i] for i in torch.randperm(SLOTS, generator=gen).tolist()]
+    layers = 2 if args.quick else 4
+    slots = torch.randperm(SLOTS, generator=gen).tolist()
+    variants = {
+        "uniform 16 (stack R=16)": ([RANK] * SLOTS, RANK),
+        "uniform 16 (stack R=64)": ([RANK] * SLOTS, 64),
+        "mixed 8/16/32/64 (R=64)": (mixed, 64),
+        "all 64 (4x the bytes)": ([64] * SLOTS, 64),
+    }
+    for block_m, cfg in configs.items():
+        times: dict[str, float] = {}
+        for name, (ranks, max_rank) in variants.items():
+            stack = LayerStack(ranks, max_rank, layers, block_m)
+            stack.use(slots)
+            check_lora(stack.loras[0], slots, partial(_run, stack.loras[0], plan=stack.plan, cfg=cfg), name)
+            times[name] = stack.per_layer_us(partial(_run, plan=stack.plan, cfg=cfg), args.quick)
+            nbytes = sum(adapter_bytes(r) for r in ranks) + activation_bytes()
+            print(
+                f"  chunks of {block_m:2d}: {name:26s} {times[name]:7.1f} us/layer   floor {nbytes / bw * 1e6:5.1f} us"
+            )
+            del stack
+            torch.cuda.empty_cache()
+        rel = {name: t / times["uniform 16 (stack R=16)"] for name, t in times.items()}
+        SUMMARY.append(
+            f"(c) chunks of {block_m:2d}: mixed/uniform-16 at equal bytes x{rel['mixed 8/16/32/64 (R=64)']:.2f} "
+            f"(uniform 16 in an R=64 stack x{rel['uniform 16 (stack R=64)']:.2f}; "
+            f"all rank 64 x{rel['all 64 (4x the bytes)']:.2f}); uniform 16: {times['uniform 16 (stack R=16)']:.1f} us"
+        )
+
+
+class DecodeLayer:
+    """One Llama-7B decoder layer with random bf16 weights and a KV cache of KV_LEN positions."""
+
+    def __init__(self) -> None:
+        def w(out: int, inp: int) -> torch.Tensor:
+            return (torch.randn(out, inp, device=DEV) / inp**0.5).to(DTYPE)
+
+        self.w = {
+            "qkv": w(3 * HIDDEN, HIDDEN),
+            "o": w(HIDDEN, HIDDEN),
+            "gate_up": w(2 * INTER, HIDDEN),
+            "down": w(HIDDEN, INTER),
+        }
+        self.norm1 = torch.ones(HIDDEN, device=DEV, dtype=DTYPE)
+        self.norm2 = torch.ones(HIDDEN, device=DEV, dtype=DTYPE)
+        self.k_cache = torch.randn(BATCH, HEADS, KV_LEN, HEAD_DIM, device=DEV).to(DTYPE)
+        self.v_cache = torch.randn(BATCH, HEADS, KV_LEN, HEAD_DIM, device=DEV).to(DTYPE)
+        angle = (KV_LEN - 1) / 10000 ** (torch.arange(0, HEAD_DIM, 2, device=DEV) / HEAD_DIM)
+        self.cos = torch.cat([angle.cos(), angle.cos()]).to(DTYPE)
+        self.sin = torch.cat([angle.sin(), angle.sin()]).to(DTYPE)
+        self.x = torch.randn(BATCH, HIDDEN, device=DEV).to(DTYPE)
+
+    def base_bytes(self) -> int:
+        weights = sum(t.numel() * 2 for t in self.w.values())
+        return weights + 2 * self.k_cache.numel() * 2 + 12 * BATCH * (HIDDEN + INTER) * 2
+
+    def rope(self, t: torch.Tensor) -> torch.Tensor:
+        half = HEAD_DIM // 2
+        rotated = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
+        return t * self.cos + rotated * self.sin
+
+    def step(self, lora: Callable[[str, torch.Tensor, torch.Tensor], None] | None) -> torch.Tensor:
+        def proj(name: str, x: torch.Tensor) -> torch.Tensor:
+            y = x @ self.w[name].t()
+            if lora is not None:
+                lora(name, x, y)
+            return y
+
+        h = F.rms_norm(self.x, (HIDDEN,), self.norm1, 1e-5)
+        q, k, v = proj("qkv", h).view(BATCH, 3, HEADS, HEAD_DIM).unbind(1)
+        self.k_cache[:, :, -1] = self.rope(k)
+        self.v_cache[:, :, -1] = v
+        attn = F.scaled_dot_product_attention(self.rope(q).unsqueeze(2), self.k_cache, self.v_cache)
+        x = self.x + proj("o", attn.reshape(BATCH, HIDDEN))
+        gate, up = proj("gate_up", F.rms_norm(x, (HIDDEN,), self.norm2, 1e-5)).chunk(2, dim=-1)
+        return x + proj("down", F.silu(gate) * up)
+
+
+def section_decode_layer(args: argparse.Namespace, configs: dict[int, Configs]) -> None:
+    print("\n(b) one Llama-7B decoder layer, decode step: batch 64, KV length 512, SDPA")
+    layer = DecodeLayer()
+    lora = make_lora([RANK] * SLOTS, RANK)
+    slices = {p.name: p.slices for p in PROJS}
+    index = {p.name: i for i, p in enumerate(PROJS)}
+    scen = scenario_slots()
+    base_out = layer.step(None)
+
+    def base_step() -> None:
+        layer.step(None)
+
+    base = (median_us(graph_of(base_step).replay, args.quick), median_us(base_step, args.quick))
+    print(f"  no LoRA                  graph {base[0]:7.1f} us   eager {base[1]:7.1f} us")
+    base_bytes = layer.base_bytes()
+    for block_m, cfg in configs.items():
+        capacity = kt.chunk_capacity(BATCH, SLOTS, block_m)
+        plan = kt.plan_segments(list(range(BATCH)), DEV, block_m=block_m, num_chunks=capacity)
+
+        def triton_lora(
+            name: str, x: torch.Tensor, y: torch.Tensor, plan: kt.SegmentPlan = plan, cfg: Configs = cfg
+        ) -> None:
+            if index[name] == 0:
+                lora.h.zero_()  # the layer's one memset, before its first projection
+            h = lora.h_of(index[name], lora.a[name].shape[1])
+            kt.shrink(x, lora.a[name], lora.ranks, plan, h, num_slices=len(slices[name]), config=cfg.shrink)
+            kt.expand(y, h, lora.b[name], lora.ranks, lora.scalings, plan, slice_sizes=slices[name], config=cfg.expand)
+
+        def lora_step(triton_lora: Callable[[str, torch.Tensor, torch.Tensor], None] = triton_lora) -> None:
+            layer.step(triton_lora)
+
+        for name in ("1 adapter", "64 distinct"):
+            plan.copy_(kt.plan_segments(scen[name], DEV, block_m=block_m, num_chunks=capacity))
+            got = layer.step(triton_lora)
+            slots = torch.tensor(scen[name], dtype=torch.int32, device=DEV)
+            want = layer.step(partial(grouped_lora_hook, lora=lora, slots=slots))
+            err = float((got - want).double().norm() / (want - base_out).double().norm())
+            print(f"  check layer, {name}, chunks of {block_m}: rel err of the LoRA effect {err:.2e}")
+            if err > 3e-2:
+                raise AssertionError("decode layer with LoRA disagrees with the torch path")
+        graph = graph_of(lora_step)
+        for name, distinct in (("1 adapter", 1), ("64 distinct", SLOTS)):
+            plan.copy_(kt.plan_segments(scen[name], DEV, block_m=block_m, num_chunks=capacity))
+            t = (median_us(graph.replay, args.quick), median_us(lora_step, args.quick))
+            print(f"  {name:12s} chunks of {block_m:2d} graph {t[0]:7.1f} us   eager {t[1]:7.1f} us")
+            bound = base_bytes / (base_bytes + distinct * adapter_bytes(RANK))
+            SUMMARY.append(
+                f"(b) layer, {name:11s}, chunks of {block_m:2d}: graph {t[0]:6.1f} us vs no LoRA {base[0]:6.1f} us: "
+                f"throughput x{base[0] / t[0]:.3f} (bandwidth bound x{bound:.3f}); eager {t[1]:.1f} vs {base[1]:.1f} us"
+            )
+
+
+def grouped_lora_hook(name: str, x: torch.Tensor, y: torch.Tensor, *, lora: LayerLoRA, slots: torch.Tensor) -> None:
+    grouped_lora(y, x, lora, name, slots)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer layers and repeats")
+    parser.add_argument("--sweep", action="store_true", help="try kernel configurations first, use the best")
+    parser.add_argument("--only", default="abc", help="sections to run, e.g. 'ab'")
+    args = parser.parse_args()
+    props = torch.cuda.get_device_properties(DEV)
+    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
+    bw = copy_bandwidth()
+    print(f"device copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
+    SUMMARY.append(
+        f"{props.name}; copy bandwidth {bw / 1e12:.2f} TB/s; torch {torch.__version__}, triton {triton.__version__}"
+    )
+    configs = {block_m: Configs(*kt.default_configs(block_m)) for block_m in (1, 16)}
+    failed = False
+    if "a" in args.only:
+        try:
+            configs = section_kernels(args, bw)
+        except Exception:
+            traceback.print_exc()
+            failed = True
+    if "c" in args.only:
+        try:
+            section_mixed(args, configs, bw)
+        except Exception:
+            traceback.print_exc()
+            failed = True
+    if "b" in args.only:
+        try:
+            section_decode_layer(args, configs)
+        except Exception:
+            traceback.print_exc()
+            failed = True
+    print("\n== summary ==")
+    for line in SUMMARY:
+        print(line)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

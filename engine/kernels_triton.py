@@ -1,0 +1,468 @@
+"""Triton multi-LoRA kernels: segmented shrink and expand over tokens grouped by adapter slot.
+
+Tokens are grouped by slot and cut into chunks of at most `block_m` tokens (`SegmentPlan`); a chunk's
+programs read its adapter's weights once for all its tokens. Chunks of 16 or 64 (prefill, or one adapter
+over a batch) run tensor-core tiles; chunks of 1 (decode's default: the per-token gather) run plain
+matrix-vector bodies, so a batch of distinct adapters wastes no tile rows. Both kernels take several
+projections sharing an input at once ("slices": fused q/k/v, gate/up).
+
+The launch grid is fixed (`programs` programs, so a CUDA graph can replay any batch that fits the plan);
+each program reads the number of real chunks and spreads them over the grid itself: few chunks get many
+programs each (split over K or N), many chunks get few each. Padding programs exit after one load.
+
+- shrink reads `a_stack[S, L*R, K]` (the slices' A stacked along the rank axis) and adds into a zeroed
+  fp32 `h[T, L*R]` (atomic adds, one per K split):
+
+      for chunk c, row block rb, K range Kp:          # one program each
+          s = chunk_slot[c]; rows = [rb*BLOCK_R, ...) that are < L*R and (row % R) < ranks[s]
+          for t in tokens of c:
+              h[t, rows] += a_stack[s, rows, Kp] @ x[t, Kp]
+
+- expand reads `b_stack[S, N0+...+N(L-1), R]` (the slices' B stacked along the output axis) and adds into
+  the fused output `y[T, N0+...]` in place; slice l uses columns [l*R, l*R + ranks[s]) of h:
+
+      for chunk c, slice l, column range Np:          # one program each
+          s = chunk_slot[c]
+          for t in tokens of c:
+              y[t, Np] += scalings[s] * b_stack[s, Np, :ranks[s]] @ h[t, l*R : l*R + ranks[s]]
+
+Weights past a slot's rank are never loaded (masked, and whole rank blocks of the shrink exit at once), so
+a batch of mixed ranks costs its true bytes, not every adapter padded to the stack's R. Tokens with slot -1
+are in no chunk: their h rows stay zero and their y rows untouched. The torch definitions live in
+`engine.kernels`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_SLICES = 4
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentPlan:
+    """Tokens grouped by slot and cut into chunks of <= `block_m` tokens; shared by every layer of a step.
+
+    Chunk c covers `token_order[chunks[c, 1] : chunks[c, 1] + chunks[c, 2]]`, all using slot
+    `chunks[c, 0]`; the first `num_real[0]` chunks are real. The plan holds `num_chunks` rows whatever the
+    batch, so a CUDA graph captured with it replays any batch whose plan fits, after `copy_`.
+    """
+
+    token_order: torch.Tensor  # int32 [T]
+    chunks: torch.Tensor  # int32 [num_chunks, 3]: slot, start in token_order, length
+    num_real: torch.Tensor  # int32 [1]
+    block_m: int
+    num_tokens: int
+    num_chunks: int
+
+    def copy_(self, other: SegmentPlan) -> None:
+        """Overwrite this plan's buffers in place (for graph replay); shapes and block_m must match."""
+        mine = (self.block_m, self.num_tokens, self.num_chunks)
+        if (other.block_m, other.num_tokens, other.num_chunks) != mine:
+            raise ValueError("plans differ in block_m, num_tokens or num_chunks")
+        self.token_order.copy_(other.token_order, non_blocking=True)
+        self.chunks.copy_(other.chunks, non_blocking=True)
+        self.num_real.copy_(other.num_real, non_blocking=True)
+
+
+def chunk_capacity(num_tokens: int, num_slots: int, block_m: int) -> int:
+    """Most chunks any batch of `num_tokens` over `num_slots` slots can need (size a graph's plan by it)."""
+    if block_m == 1:
+        return num_tokens
+    return min(num_tokens, num_slots) + triton.cdiv(num_tokens, block_m)
+
+
+def default_block_m(num_tokens: int) -> int:
+    """Tokens per chunk: 1 (per-token matrix-vector products) for decode-sized batches, 64 for prefill.
+
+    Chunks of 16 (the smallest tensor-core tile) also serve decode; bench/engine_gpu.py times both."""
+    return 1 if num_tokens <= 256 else 64
+
+
+def plan_segments(
+    token_slots: Sequence[int] | torch.Tensor,
+    device: torch.device | str,
+    *,
+    block_m: int | None = None,
+    num_chunks: int | None = None,
+) -> SegmentPlan:
+    """Group tokens by slot on the host (the scheduler already holds the slots there) and upload the plan.
+
+    `num_chunks` sizes the plan for a graph (see `chunk_capacity`); by default it is as large as needed.
+    """
+    slots = token_slots.tolist() if isinstance(token_slots, torch.Tensor) else list(token_slots)
+    block_m = default_block_m(len(slots)) if block_m is None else block_m
+    groups: dict[int, list[int]] = {}
+    for t, s in enumerate(slots):
+        if s >= 0:
+            groups.setdefault(int(s), []).append(t)
+    order: list[int] = []
+    chunks: list[tuple[int, int, int]] = []
+    for s, tokens in groups.items():
+        for begin in range(0, len(tokens), block_m):
+            piece = tokens[begin : begin + block_m]
+            chunks.append((s, len(order), len(piece)))
+            order.extend(piece)
+    real = len(chunks)
+    total = max(real, 1) if num_chunks is None else num_chunks
+    if real > total:
+        raise ValueError(f"batch needs {real} chunks, plan holds {total}")
+    order.extend([0] * (len(slots) - len(order)))  # -1 tokens: never referenced by a chunk
+    chunks.extend([(0, 0, 0)] * (total - real))
+
+    def upload(values: list[int] | list[tuple[int, int, int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+
+    return SegmentPlan(
+        token_order=upload(order),
+        chunks=upload(chunks),
+        num_real=upload([real]),
+        block_m=block_m,
+        num_tokens=len(slots),
+        num_chunks=total,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ShrinkConfig:
+    """Launch shape of the shrink kernel: `programs_per_sm` x SMs programs share out the chunks."""
+
+    block_k: int = 128
+    block_r: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 4
+
+
+@dataclass(frozen=True, slots=True)
+class ExpandConfig:
+    """Launch shape of the expand kernel: `programs_per_sm` x SMs programs share out the chunks."""
+
+    block_n: int = 256
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: int = 4
+
+
+def default_configs(block_m: int) -> tuple[ShrinkConfig, ExpandConfig]:
+    """Launch shapes per chunk height, from bench/engine_gpu.py --sweep on an H200 (decode batch 64);
+    prefill's keep a 64-row tile's registers under the spill line."""
+    if block_m == 1:
+        return ShrinkConfig(block_k=256, block_r=16, programs_per_sm=8), ExpandConfig(block_n=512, programs_per_sm=4)
+    if block_m <= 16:
+        return ShrinkConfig(block_k=128, block_r=64, programs_per_sm=8), ExpandConfig(block_n=512, programs_per_sm=8)
+    return ShrinkConfig(block_k=64, block_r=16), ExpandConfig(block_n=64)
+
+
+@cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs still exercise the sharing out
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 callers expect fp32 results; tf32 would cost them ~3 decimal digits.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _upcast_dots() -> bool:
+    # Triton 3.6's interpreter multiplies bf16 tiles as raw integers; exact upcasts keep it right.
+    return bool(triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def _share(pid: tl.tensor, num_programs: tl.tensor, units: tl.tensor, parts: tl.tensor) -> tuple:
+    """Programs per work unit (<= parts), the unit of `pid` and its part; spare programs get unit >= units."""
+    per_unit = tl.minimum(tl.maximum(num_programs // tl.maximum(units, 1), 1), parts)
+    return per_unit, pid // per_unit, pid % per_unit
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr: tl.tensor,
+    a_ptr: tl.tensor,
+    ranks_ptr: tl.tensor,
+    order_ptr: tl.tensor,
+    chunks_ptr: tl.tensor,
+    num_real_ptr: tl.tensor,
+    h_ptr: tl.tensor,
+    K: tl.tensor,
+    LR: tl.tensor,
+    r_slice: tl.tensor,
+    stride_xt: tl.tensor,
+    stride_as: tl.tensor,
+    stride_ar: tl.tensor,
+    stride_ht: tl.tensor,
+    R_BLOCKS: tl.constexpr,
+    K_BLOCKS: tl.constexpr,
+    K_ITERS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+) -> None:
+    # Work unit = (chunk, rank block); its programs split K. K_ITERS bounds the blocks of one split.
+    num_real = tl.load(num_real_ptr)
+    splits, unit, split = _share(tl.program_id(0), tl.num_programs(0), num_real * R_BLOCKS, K_BLOCKS)
+    chunk = unit // R_BLOCKS
+    if chunk >= num_real:
+        return
+    slot = tl.load(chunks_ptr + chunk * 3).to(tl.int64)
+    start = tl.load(chunks_ptr + chunk * 3 + 1)
+    length = tl.load(chunks_ptr + chunk * 3 + 2)
+    rank = tl.load(ranks_ptr + slot)
+    rows = (unit % R_BLOCKS) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = (rows < LR) & ((rows % r_slice) < rank)
+    if tl.max(row_ok.to(tl.int32), axis=0) == 0:
+        return  # this rank block lies wholly past the slot's rank
+    blocks_per_split = tl.cdiv(K_BLOCKS, splits)
+    k_begin = split * blocks_per_split * BLOCK_K
+    k_stop = tl.minimum(k_begin + blocks_per_split * BLOCK_K, K)
+    a_rows = a_ptr + slot * stride_as + rows[:, None].to(tl.int64) * stride_ar
+    # Compile-time trip counts: triton's interpreter cannot loop to a run-time bound under numpy >= 2.4;
+    # blocks past this split's range are masked off (they move no bytes).
+    if BLOCK_M == 1:
+        # One token: a plain dot product per row, no tensor-core tile padded to 16 tokens.
+        tok = tl.load(order_ptr + start).to(tl.int64)
+        acc_1 = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for i in range(K_ITERS):
+            offs_k = k_begin + i * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k_stop
+            xt = tl.load(x_ptr + tok * stride_xt + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            at = tl.load(a_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            acc_1 += tl.sum(at.to(tl.float32) * xt[None, :], axis=1)
+        tl.atomic_add(h_ptr + tok * stride_ht + rows, acc_1, mask=row_ok, sem="relaxed")
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
+        tok_ok = offs_m < length
+        tok_m = tl.load(order_ptr + start + offs_m, mask=tok_ok, other=0).to(tl.int64)
+        x_rows = x_ptr + tok_m[:, None] * stride_xt
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for i in range(K_ITERS):
+            offs_k = k_begin + i * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k_stop
+            xt = tl.load(x_rows + offs_k[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0.0)
+            at = tl.load(a_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if UPCAST:
+                xt, at = xt.to(tl.float32), at.to(tl.float32)
+            acc = tl.dot(xt, tl.trans(at), acc, input_precision=PRECISION)
+        out = h_ptr + tok_m[:, None] * stride_ht + rows[None, :]
+        tl.atomic_add(out, acc, mask=tok_ok[:, None] & row_ok[None, :], sem="relaxed")
+
+
+@triton.jit
+def _expand_kernel(
+    y_ptr: tl.tensor,
+    h_ptr: tl.tensor,
+    b_ptr: tl.tensor,
+    ranks_ptr: tl.tensor,
+    scalings_ptr: tl.tensor,
+    order_ptr: tl.tensor,
+    chunks_ptr: tl.tensor,
+    num_real_ptr: tl.tensor,
+    n0: tl.tensor,
+    n1: tl.tensor,
+    n2: tl.tensor,
+    n3: tl.tensor,
+    stride_yt: tl.tensor,
+    stride_ht: tl.tensor,
+    stride_bs: tl.tensor,
+    stride_bn: tl.tensor,
+    SLICES: tl.constexpr,
+    N_TILES: tl.constexpr,
+    N_ITERS: tl.constexpr,
+    R_SLICE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+) -> None:
+    # Work unit = (chunk, slice); its programs split the slice's column tiles, N_ITERS at most each.
+    num_real = tl.load(num_real_ptr)
+    parts, unit, part = _share(tl.program_id(0), tl.num_programs(0), num_real * SLICES, N_TILES)
+    tiles_per_part = tl.cdiv(N_TILES, parts)
+    chunk = unit // SLICES
+    sl = unit % SLICES
+    n_size = tl.where(sl == 0, n0, tl.where(sl == 1, n1, tl.where(sl == 2, n2, n3)))
+    n_begin = part * tiles_per_part * BLOCK_N
+    if (chunk >= num_real) | (n_begin >= n_size):
+        return
+    n_start = tl.where(sl > 0, n0, 0) + tl.where(sl > 1, n1, 0) + tl.where(sl > 2, n2, 0)
+    n_stop = tl.minimum(n_begin + tiles_per_part * BLOCK_N, n_size)
+    slot = tl.load(chunks_ptr + chunk * 3).to(tl.int64)
+    start = tl.load(chunks_ptr + chunk * 3 + 1)
+    length = tl.load(chunks_ptr + chunk * 3 + 2)
+    rank = tl.load(ranks_ptr + slot)
+    if rank == 0:
+        return
+    scale = tl.load(scalings_ptr + slot)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    b_base = b_ptr + slot * stride_bs + offs_r[None, :]
+    if BLOCK_M == 1:
+        # One token: a plain matrix-vector product, no tensor-core tile padded to 16 tokens.
+        tok = tl.load(order_ptr + start).to(tl.int64)
+        h_1 = tl.load(h_ptr + tok * stride_ht + sl * R_SLICE + offs_r, mask=r_ok, other=0.0)
+        h_1 = h_1.to(b_ptr.dtype.element_ty).to(tl.float32)  # rounded as the reference rounds h
+        for i in range(N_ITERS):
+            offs_n = n_begin + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < n_stop
+            cols = (n_start + offs_n).to(tl.int64)
+            bt = tl.load(b_base + cols[:, None] * stride_bn, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+            delta_1 = tl.sum(bt.to(tl.float32) * h_1[None, :], axis=1)
+            y_1 = y_ptr + tok * stride_yt + cols
+            old_1 = tl.load(y_1, mask=n_ok, other=0.0)
+            tl.store(y_1, (old_1.to(tl.float32) + scale * delta_1).to(old_1.dtype), mask=n_ok)
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
+        tok_ok = offs_m < length
+        tok_m = tl.load(order_ptr + start + offs_m, mask=tok_ok, other=0).to(tl.int64)
+        h_mask = tok_ok[:, None] & r_ok[None, :]
+        h = tl.load(h_ptr + tok_m[:, None] * stride_ht + sl * R_SLICE + offs_r[None, :], mask=h_mask, other=0.0)
+        h = h.to(b_ptr.dtype.element_ty)  # as the reference rounds h to the activations' dtype
+        if UPCAST:
+            h = h.to(tl.float32)
+        y_rows = y_ptr + tok_m[:, None] * stride_yt
+        for i in range(N_ITERS):
+            offs_n = n_begin + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < n_stop
+            cols = (n_start + offs_n).to(tl.int64)
+            bt = tl.load(b_base + cols[:, None] * stride_bn, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+            if UPCAST:
+                bt = bt.to(tl.float32)
+            delta = tl.dot(h, tl.trans(bt), input_precision=PRECISION)
+            y_mask = tok_ok[:, None] & n_ok[None, :]
+            old = tl.load(y_rows + cols[None, :], mask=y_mask, other=0.0)
+            tl.store(y_rows + cols[None, :], (old.to(tl.float32) + scale * delta).to(old.dtype), mask=y_mask)
+
+
+# Elements of a weight tile per thread in the per-token bodies (x2 for expand, whose tile is read once)
+# above which ptxas spilled on sm_90 (triton 3.6, offline compile: A 64x128 / 4 warps fits, B 1024x64 spills).
+_TILE_PER_THREAD = 64
+
+
+def _programs(device: torch.device, per_sm: int, at_least: int) -> int:
+    # Every work unit of a full plan needs a program of its own, or some would never run.
+    return max(per_sm * _sm_count(device), at_least)
+
+
+def shrink(
+    x: torch.Tensor,
+    a_stack: torch.Tensor,
+    ranks: torch.Tensor,
+    plan: SegmentPlan,
+    h: torch.Tensor,
+    *,
+    num_slices: int = 1,
+    config: ShrinkConfig | None = None,
+) -> None:
+    """h[t] += A[slot(t)] @ x[t] for the plan's tokens (module docstring); `h` is fp32 `[T, L*R]`, zeroed
+    by the caller (one memset can serve every projection of a step)."""
+    cfg = config or default_configs(plan.block_m)[0]
+    num_tokens, k_dim = x.shape
+    lr = a_stack.shape[1]
+    if x.stride(-1) != 1 or a_stack.stride(-1) != 1 or h.stride(-1) != 1:
+        raise ValueError("x, a_stack and h need a contiguous last dimension")
+    if not 1 <= num_slices <= MAX_SLICES or lr % num_slices:
+        raise ValueError(f"a_stack rows ({lr}) must split into 1..{MAX_SLICES} equal slices")
+    if h.shape != (num_tokens, lr) or h.dtype != torch.float32:
+        raise ValueError(f"h must be float32 [{num_tokens}, {lr}]")
+    block_r = min(max(triton.next_power_of_2(lr), 16), cfg.block_r)
+    block_k = cfg.block_k
+    if plan.block_m == 1:  # the per-token body holds its whole A tile in registers: cap it below spilling
+        block_k = max(16, min(block_k, _TILE_PER_THREAD * 32 * cfg.num_warps // block_r))
+    r_blocks = triton.cdiv(lr, block_r)
+    k_blocks = triton.cdiv(k_dim, block_k)
+    programs = _programs(x.device, cfg.programs_per_sm, plan.num_chunks * r_blocks)
+    fewest_splits = min(max(programs // (plan.num_chunks * r_blocks), 1), k_blocks)
+    _shrink_kernel[(programs,)](
+        x,
+        a_stack,
+        ranks,
+        plan.token_order,
+        plan.chunks,
+        plan.num_real,
+        h,
+        k_dim,
+        lr,
+        lr // num_slices,
+        x.stride(0),
+        a_stack.stride(0),
+        a_stack.stride(1),
+        h.stride(0),
+        R_BLOCKS=r_blocks,
+        K_BLOCKS=k_blocks,
+        K_ITERS=triton.cdiv(k_blocks, fewest_splits),
+        BLOCK_M=plan.block_m,
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        PRECISION=_dot_precision(x.dtype),
+        UPCAST=_upcast_dots(),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def expand(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    b_stack: torch.Tensor,
+    ranks: torch.Tensor,
+    scalings: torch.Tensor,
+    plan: SegmentPlan,
+    *,
+    slice_sizes: Sequence[int] | None = None,
+    config: ExpandConfig | None = None,
+) -> None:
+    """y[:, slice l] += scaling * B_l @ h_l for the plan's tokens, in place (module docstring)."""
+    cfg = config or default_configs(plan.block_m)[1]
+    sizes = list(slice_sizes) if slice_sizes is not None else [b_stack.shape[1]]
+    r_slice = b_stack.shape[2]
+    if not 1 <= len(sizes) <= MAX_SLICES or sum(sizes) != b_stack.shape[1] or y.shape[1] != b_stack.shape[1]:
+        raise ValueError("slice_sizes must add up to b_stack's and y's output width")
+    if y.stride(-1) != 1 or h.stride(-1) != 1 or b_stack.stride(-1) != 1:
+        raise ValueError("y, h and b_stack need a contiguous last dimension")
+    if h.shape[1] != len(sizes) * r_slice:
+        raise ValueError("h has L*R columns for L slices of rank R")
+    block_r = max(triton.next_power_of_2(r_slice), 16)
+    block_n = cfg.block_n
+    if plan.block_m == 1:  # as in shrink: the per-token body's B tile lives in registers
+        block_n = max(16, min(block_n, 2 * _TILE_PER_THREAD * 32 * cfg.num_warps // block_r))
+    n_tiles = triton.cdiv(max(sizes), block_n)
+    programs = _programs(y.device, cfg.programs_per_sm, plan.num_chunks * len(sizes))
+    fewest_parts = min(max(programs // (plan.num_chunks * len(sizes)), 1), n_tiles)
+    _expand_kernel[(programs,)](
+        y,
+        h,
+        b_stack,
+        ranks,
+        scalings,
+        plan.token_order,
+        plan.chunks,
+        plan.num_real,
+        *(sizes + [0] * (MAX_SLICES - len(sizes))),
+        y.stride(0),
+        h.stride(0),
+        b_stack.stride(0),
+        b_stack.stride(1),
+        SLICES=len(sizes),
+        N_TILES=n_tiles,
+        N_ITERS=triton.cdiv(n_tiles, fewest_parts),
+        R_SLICE=r_slice,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        PRECISION=_dot_precision(y.dtype),
+        UPCAST=_upcast_dots(),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )

@@ -1,0 +1,168 @@
+"""The compiled triton LoRA kernels on a CUDA GPU against the torch references (skipped without CUDA)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from engine import kernels
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# bf16 operands: errors between 1e-3 and 1e-2 relative; fp32 runs the dots in ieee mode.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def stacks(
+    slot_ranks: Sequence[int], max_rank: int, k_dim: int, slice_sizes: Sequence[int], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """a_stack, b_stack, ranks, scalings on the GPU; rows/columns past each slot's rank are zero."""
+    num_slices = len(slice_sizes)
+    a = torch.randn(len(slot_ranks), num_slices * max_rank, k_dim) / k_dim**0.5
+    b = torch.randn(len(slot_ranks), sum(slice_sizes), max_rank) / max_rank**0.5
+    for s, r in enumerate(slot_ranks):
+        for sl in range(num_slices):
+            a[s, sl * max_rank + r : (sl + 1) * max_rank] = 0
+        b[s, :, r:] = 0
+    ranks = torch.tensor(slot_ranks, dtype=torch.int32)
+    scalings = torch.rand(len(slot_ranks)) + 0.5
+    return a.to("cuda", dtype), b.to("cuda", dtype), ranks.cuda(), scalings.cuda()
+
+
+def reference(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    ranks: torch.Tensor,
+    scalings: torch.Tensor,
+    slots: torch.Tensor,
+    slice_sizes: Sequence[int],
+) -> torch.Tensor:
+    """The per-token reference, run on CPU copies (a GPU loop would synchronise once per token)."""
+    out = y.cpu()
+    kernels.lora_apply_reference(out, x.cpu(), a.cpu(), b.cpu(), ranks.cpu(), scalings.cpu(), slots.cpu(), slice_sizes)
+    return out
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    diff = (got.double().cpu() - want.double().cpu()).norm()
+    return float(diff / want.double().cpu().norm().clamp_min(1e-30))
+
+
+SCENARIOS = {
+    # name: (slot of each token, slot ranks, max rank, K, slice sizes)
+    "decode-64-distinct": (list(range(64)), [16] * 64, 16, 4096, [4096]),
+    "decode-qkv-gqa-mixed": (
+        [(t * 7) % 12 if t % 5 else -1 for t in range(37)],
+        [0, 4, 8, 16, 16, 8, 4, 16, 16, 8, 0, 16],
+        16,
+        1024,
+        [1024, 256, 256],
+    ),
+    "decode-mixed-ranks-64": ([t % 20 for t in range(64)], [8, 16, 32, 64] * 5, 64, 2048, [2752, 2752]),
+    "prefill-3-adapters": (
+        [0] * 300 + [-1] * 50 + [2] * 333 + [1] * 17 + [0] * 100,
+        [32, 8, 32],
+        32,
+        1000,
+        [600],
+    ),
+}
+
+
+@pytest.mark.parametrize("block_m", [None, 16], ids=["default-chunks", "chunks-of-16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_lora_apply_matches_reference(name: str, dtype: torch.dtype, block_m: int | None) -> None:
+    from engine import kernels_triton as kt
+
+    token_slots, slot_ranks, max_rank, k_dim, slice_sizes = SCENARIOS[name]
+    a, b, ranks, scalings = stacks(slot_ranks, max_rank, k_dim, slice_sizes, dtype)
+    slots = torch.tensor(token_slots, dtype=torch.int32, device="cuda")
+    x = torch.randn(len(token_slots), k_dim, device="cuda").to(dtype)
+    y0 = torch.randn(len(token_slots), sum(slice_sizes), device="cuda").to(dtype)
+    want = reference(y0, x, a, b, ranks, scalings, slots, slice_sizes)
+
+    y = y0.clone()
+    plan = kt.plan_segments(token_slots, "cuda", block_m=block_m)
+    kernels.lora_apply(y, x, a, b, ranks, scalings, slots, slice_sizes=slice_sizes, plan=plan)
+    torch.cuda.synchronize()
+    assert rel_err(y, want) < TOLERANCE[dtype]
+    base_only = (slots < 0) | (ranks[slots.clamp_min(0)] == 0)
+    assert torch.equal(y[base_only], y0[base_only])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_front_shrink_then_expand(dtype: torch.dtype) -> None:
+    token_slots, slot_ranks, max_rank, k_dim, slice_sizes = SCENARIOS["decode-qkv-gqa-mixed"]
+    a, b, ranks, scalings = stacks(slot_ranks, max_rank, k_dim, slice_sizes, dtype)
+    slots = torch.tensor(token_slots, dtype=torch.int32, device="cuda")
+    x = torch.randn(len(token_slots), k_dim, device="cuda").to(dtype)
+    y0 = torch.randn(len(token_slots), sum(slice_sizes), device="cuda").to(dtype)
+
+    h = kernels.lora_shrink(x, a, ranks, slots, num_slices=len(slice_sizes))
+    want_h = kernels.lora_shrink(x.cpu(), a.cpu(), ranks.cpu(), slots.cpu(), num_slices=len(slice_sizes))
+    assert h.dtype == dtype and rel_err(h, want_h) < TOLERANCE[dtype]
+    assert torch.all(h[slots < 0] == 0)
+
+    y = y0.clone()
+    kernels.lora_expand(y, h, b, ranks, scalings, slots, slice_sizes=slice_sizes)
+    assert rel_err(y, reference(y0, x, a, b, ranks, scalings, slots, slice_sizes)) < TOLERANCE[dtype]
+
+
+def test_shrink_of_a_few_chunks_in_a_large_plan() -> None:
+    """One adapter in a plan sized for 64: its chunks get many programs each (split K) and must add up."""
+    from engine import kernels_triton as kt
+
+    _, slot_ranks, max_rank, k_dim, slice_sizes = SCENARIOS["decode-mixed-ranks-64"]
+    a, _, ranks, _ = stacks(slot_ranks, max_rank, k_dim, slice_sizes, torch.bfloat16)
+    token_slots = [4] * 40 + [-1] * 24  # slot 4: rank 8 in a rank-64 stack
+    slots = torch.tensor(token_slots, dtype=torch.int32, device="cuda")
+    x = torch.randn(len(token_slots), k_dim, device="cuda").to(torch.bfloat16)
+    plan = kt.plan_segments(token_slots, "cuda", block_m=16, num_chunks=kt.chunk_capacity(64, len(slot_ranks), 16))
+    h = torch.zeros(len(token_slots), a.shape[1], device="cuda")
+    kt.shrink(x, a, ranks, plan, h, num_slices=len(slice_sizes))
+    want = kernels.lora_shrink(x.cpu(), a.cpu(), ranks.cpu(), slots.cpu(), num_slices=len(slice_sizes))
+    assert rel_err(h, want) < TOLERANCE[torch.bfloat16]
+    assert torch.all(h[slots < 0] == 0)
+    used = h[slots >= 0].view(40, 2, max_rank)
+    assert torch.all(used[:, :, 8:] == 0) and torch.all(used[:, :, :8] != 0)
+
+
+@pytest.mark.parametrize("block_m", [1, 16])
+def test_cuda_graph_replays_a_new_plan(block_m: int) -> None:
+    from engine import kernels_triton as kt
+
+    num_tokens, num_slots, k_dim, slice_sizes = 64, 64, 4096, [4096, 1024, 1024]
+    a, b, ranks, scalings = stacks([16] * num_slots, 16, k_dim, slice_sizes, torch.bfloat16)
+    x = torch.randn(num_tokens, k_dim, device="cuda").to(torch.bfloat16)
+    y0 = torch.randn(num_tokens, sum(slice_sizes), device="cuda").to(torch.bfloat16)
+    y = y0.clone()
+    capacity = kt.chunk_capacity(num_tokens, num_slots, block_m)
+    static = kt.plan_segments(list(range(num_tokens)), "cuda", block_m=block_m, num_chunks=capacity)
+
+    def step() -> None:
+        h = torch.zeros(num_tokens, a.shape[1], device="cuda")
+        kt.shrink(x, a, ranks, static, h, num_slices=len(slice_sizes))
+        kt.expand(y, h, b, ranks, scalings, static, slice_sizes=slice_sizes)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    for token_slots in ([5] * 64, [t % 8 if t % 3 else -1 for t in range(64)], list(range(63, -1, -1))):
+        slots = torch.tensor(token_slots, dtype=torch.int32, device="cuda")
+        static.copy_(kt.plan_segments(token_slots, "cuda", block_m=block_m, num_chunks=capacity))
+        y.copy_(y0)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reference(y0, x, a, b, ranks, scalings, slots, slice_sizes)
+        assert rel_err(y, want) < TOLERANCE[torch.bfloat16], token_slots
