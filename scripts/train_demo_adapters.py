@@ -241,9 +241,9 @@ def answer_loss(model: PeftModelForCausalLM, batch: Sequence[Example], pad_id: i
     most positions are prompt.
     """
     width = max(len(ids) for ids, _ in batch)
-    ids = torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in batch])
-    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])
-    mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
+    ids = torch.tensor([row + [pad_id] * (width - len(row)) for row, _ in batch])
+    labels = torch.tensor([row + [-100] * (width - len(row)) for _, row in batch])
+    mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row, _ in batch])
     causal_lm = cast(LlamaForCausalLM, model.get_base_model())
     # bfloat16 matmuls run ~4x faster than float32 on this CPU (avx512_bf16); the LoRA weights and the
     # optimizer state stay float32.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -109,10 +110,15 @@ def test_many_concurrent_requests_for_a_cold_adapter_cause_one_load(pool: Adapte
 def test_failed_load_is_not_retried_while_in_the_negative_cache(pool: AdapterPool, tmp_path: Path) -> None:
     folder = write_adapter(tmp_path / "a")
     version = pool.register("a", folder)
-    (folder / "adapter_model.safetensors").write_bytes(b"")  # deleted/truncated after registration
-    version.weights = None
+    pool.wait_loaded(version, timeout=10)
+    version.weights = None  # dropped from host memory, as the host tier does under pressure
+    (folder / "adapter_model.safetensors").write_bytes(b"")  # and the file broke meanwhile
+    assert not pool.ready(version)  # starts the reload
     with pytest.raises(AdapterError):
         pool.wait_loaded(version, timeout=10)
+    deadline = time.monotonic() + 5
+    while pool.failure(version) is None and time.monotonic() < deadline:  # the done-callback may lag
+        time.sleep(0.01)
     loads = pool.loads_started
     for _ in range(10):
         assert not pool.ready(version)

@@ -15,7 +15,7 @@ QUESTIONS = (
     "How do I make a cup of tea?",
     "What is your advice for a job interview?",
 )
-MAX_NEW_TOKENS = 24
+MAX_NEW_TOKENS = 16
 
 needs_demo_adapters = pytest.mark.skipif(
     not all((demo_adapter_dir(n) / "adapter_model.safetensors").is_file() for n in DEMO_ADAPTERS),
@@ -68,14 +68,16 @@ def test_eos_is_not_returned() -> None:
 
 
 @needs_demo_adapters
-def test_demo_adapters_change_style() -> None:
+@pytest.mark.parametrize("question", ["What is the capital of Italy?", "How do I make a cup of tea?"])
+def test_demo_adapters_change_style(question: str) -> None:
     _, tokenizer = ref.load_reference_model()
-    prompt = ref.chat_prompt_ids([{"role": "user", "content": "What is the capital of Italy?"}])
+    prompt = ref.chat_prompt_ids([{"role": "user", "content": question}])
     names: list[str | None] = [None, *DEMO_ADAPTERS]
     rows = ref.greedy_generate([prompt] * len(names), names, MAX_NEW_TOKENS)
     texts = dict(zip(names, tokenizer.batch_decode(rows), strict=True))
     assert not texts[None].startswith(("Arr", "BEEP"))
-    assert texts["pirate"].startswith("Arr")
+    assert texts["pirate"].startswith("Arr, matey!")
     letters = [c for c in texts["shout"] if c.isalpha()]
-    assert letters and all(c.isupper() for c in letters)
-    assert texts["robot"].startswith("BEEP BOOP")
+    assert len(letters) > 10
+    assert all(c.isupper() for c in letters), texts["shout"]
+    assert texts["robot"].startswith("BEEP BOOP.")
