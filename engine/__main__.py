@@ -1,4 +1,8 @@
-"""`python -m engine` (also `adaptergate engine`): run one engine process serving engine/engine.proto."""
+"""`python -m engine` (also `adaptergate engine`): run one engine process serving engine/engine.proto.
+
+The step loop runs on the main thread (faster torch CPU kernels there); the gRPC server runs its asyncio
+loop on a second thread and hands requests over through the engine's thread-safe calls.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,9 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 from engine.config import EngineConfig
 
@@ -34,34 +40,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def run(args: argparse.Namespace) -> None:
-    from engine.engine import EngineError, LLMEngine
-    from engine.server import serve
+def config_from(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
 
-    config = EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
-    engine = LLMEngine(config)
-    for item in args.adapter:
-        name, sep, path = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--adapter expects NAME=PATH, got {item!r}")
+
+class GrpcThread:
+    """The gRPC server on its own asyncio loop and thread."""
+
+    def __init__(self, engine: Any, host: str, port: int) -> None:
+        self._engine, self._host, self._port = engine, host, port
+        self._loop = asyncio.new_event_loop()
+        self._server: Any = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self.port = 0
+        self._thread = threading.Thread(target=self._main, name="grpc", daemon=True)
+
+    def start(self) -> int:
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+        return self.port
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self._server is not None:
+            asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop).result(timeout=grace + 5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=grace + 5)
+
+    def _main(self) -> None:
+        from engine.server import serve
+
+        asyncio.set_event_loop(self._loop)
         try:
-            engine.load_adapter(name, path)
-        except EngineError as exc:
-            raise SystemExit(f"adapter {name!r}: {exc.message}") from exc
-    engine.start()
-    server, port = await serve(engine, args.host, args.port)
-    logging.getLogger("engine").info("engine ready on %s:%d (model %s)", args.host, port, engine.model_name)
-    if args.ready_file:
-        tmp = args.ready_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"port": port, "pid": os.getpid()}))
-        tmp.replace(args.ready_file)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(grace=5)
-    engine.stop()
+            self._server, self.port = self._loop.run_until_complete(serve(self._engine, self._host, self._port))
+        except BaseException as exc:  # reported to the starting thread
+            self._error = exc
+            self._started.set()
+            return
+        self._started.set()
+        self._loop.run_forever()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -72,10 +91,33 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = build_parser().parse_args(argv)
     try:
-        EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}).validate()
+        config_from(args).validate()
     except ValueError as exc:
         raise SystemExit(f"invalid engine configuration: {exc}") from exc
-    asyncio.run(run(args))
+
+    from engine.engine import EngineError, LLMEngine
+
+    engine = LLMEngine(config_from(args))
+    for item in args.adapter:
+        name, sep, path = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--adapter expects NAME=PATH, got {item!r}")
+        try:
+            engine.load_adapter(name, path)
+        except EngineError as exc:
+            raise SystemExit(f"adapter {name!r}: {exc.message}") from exc
+    grpc_thread = GrpcThread(engine, args.host, args.port)
+    port = grpc_thread.start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: engine.request_stop())
+    logging.getLogger("engine").info("engine ready on %s:%d (model %s)", args.host, port, engine.model_name)
+    if args.ready_file:
+        tmp = args.ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"port": port, "pid": os.getpid()}))
+        tmp.replace(args.ready_file)
+    engine.run()  # until SIGTERM / SIGINT
+    grpc_thread.stop(grace=5)
+    engine.stop()
 
 
 if __name__ == "__main__":

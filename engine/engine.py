@@ -105,11 +105,33 @@ class LLMEngine:
     # -- lifecycle --------------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Run the step loop on a background thread (tests, embedding); see `run` for serving."""
         self._thread.start()
 
-    def stop(self) -> None:
+    def run(self) -> None:
+        """Run the step loop on the calling thread until `stop()`.
+
+        The engine process calls this from its main thread: on the CPU, torch's OpenMP kernels run a
+        decode step about 1.4x faster there than from a secondary thread (measured on SmolLM2).
+        """
+        self._run()
+
+    def run_until_idle(self) -> None:
+        """Step on the calling thread until nothing is running or startable (benchmarks, scripts)."""
+        while True:
+            self._drain_commands()
+            self._reap()
+            if not self.scheduler.has_work():
+                return
+            self.step()
+
+    def request_stop(self) -> None:
+        """Ask the step loop to return (safe from a signal handler)."""
         self._stop.set()
         self._wake()
+
+    def stop(self) -> None:
+        self.request_stop()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         self.pool.close()
@@ -225,11 +247,7 @@ class LLMEngine:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            while True:
-                try:
-                    self._commands.get_nowait()()
-                except queue.Empty:
-                    break
+            self._drain_commands()
             self._reap()
             if not self.scheduler.has_work():
                 self._wakeup.wait(timeout=0.5)
@@ -241,6 +259,13 @@ class LLMEngine:
                 log.exception("engine step failed")
                 for seq in list(self.scheduler.running):
                     self._finish(seq, "error", error=f"engine step failed: {exc!r}")
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                self._commands.get_nowait()()
+            except queue.Empty:
+                return
 
     def _reap(self) -> None:
         """Finish aborted requests and those whose adapter failed to load."""
