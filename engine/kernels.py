@@ -238,10 +238,14 @@ def lora_apply(
     slice_sizes: Sequence[int] | None = None,
     plan: SegmentPlan | None = None,
     h: torch.Tensor | None = None,
+    fused: bool = False,
 ) -> None:
     """shrink then expand (y += scaling * B @ (A @ x), per token's slot and per slice), in place.
 
-    On CUDA h stays fp32 between the two kernels; pass `h` (fp32 [T, L*R], zeroed) to reuse a workspace.
+    On CUDA this runs the separate shrink and expand kernels, h kept fp32 between them; pass `h`
+    (fp32 [T, L*R], zeroed) to reuse a workspace. `fused=True` runs `kernels_triton.fused` instead (one
+    launch, h recomputed per program and kept in registers): correct, but 1.2-1.4x slower at Llama-7B
+    decode shapes on an H200 (bench/RESULTS-gpu.md), hence not the default.
     """
     bounds = _slice_bounds(b_stack, slice_sizes)
     if not x.is_cuda:
@@ -254,6 +258,9 @@ def lora_apply(
     from engine import kernels_triton as kt
 
     plan = _plan(token_slots, x.device, plan)
+    if fused:
+        kt.fused(y, x, a_stack, b_stack, ranks, scalings, plan, slice_sizes=slice_sizes)
+        return
     if h is None:
         h = torch.zeros(x.shape[0], a_stack.shape[1], dtype=torch.float32, device=x.device)
     kt.shrink(x, a_stack, ranks, plan, h, num_slices=len(bounds))

@@ -73,10 +73,11 @@ SCENARIOS = {
 }
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "shrink-expand"])
 @pytest.mark.parametrize("block_m", [None, 16], ids=["default-chunks", "chunks-of-16"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_lora_apply_matches_reference(name: str, dtype: torch.dtype, block_m: int | None) -> None:
+def test_lora_apply_matches_reference(name: str, dtype: torch.dtype, block_m: int | None, fused: bool) -> None:
     from engine import kernels_triton as kt
 
     token_slots, slot_ranks, max_rank, k_dim, slice_sizes = SCENARIOS[name]
@@ -88,7 +89,7 @@ def test_lora_apply_matches_reference(name: str, dtype: torch.dtype, block_m: in
 
     y = y0.clone()
     plan = kt.plan_segments(token_slots, "cuda", block_m=block_m)
-    kernels.lora_apply(y, x, a, b, ranks, scalings, slots, slice_sizes=slice_sizes, plan=plan)
+    kernels.lora_apply(y, x, a, b, ranks, scalings, slots, slice_sizes=slice_sizes, plan=plan, fused=fused)
     torch.cuda.synchronize()
     assert rel_err(y, want) < TOLERANCE[dtype]
     base_only = (slots < 0) | (ranks[slots.clamp_min(0)] == 0)
@@ -132,8 +133,9 @@ def test_shrink_of_a_few_chunks_in_a_large_plan() -> None:
     assert torch.all(used[:, :, 8:] == 0) and torch.all(used[:, :, :8] != 0)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "shrink-expand"])
 @pytest.mark.parametrize("block_m", [1, 16])
-def test_cuda_graph_replays_a_new_plan(block_m: int) -> None:
+def test_cuda_graph_replays_a_new_plan(block_m: int, fused: bool) -> None:
     from engine import kernels_triton as kt
 
     num_tokens, num_slots, k_dim, slice_sizes = 64, 64, 4096, [4096, 1024, 1024]
@@ -145,6 +147,9 @@ def test_cuda_graph_replays_a_new_plan(block_m: int) -> None:
     static = kt.plan_segments(list(range(num_tokens)), "cuda", block_m=block_m, num_chunks=capacity)
 
     def step() -> None:
+        if fused:
+            kt.fused(y, x, a, b, ranks, scalings, static, slice_sizes=slice_sizes)
+            return
         h = torch.zeros(num_tokens, a.shape[1], device="cuda")
         kt.shrink(x, a, ranks, static, h, num_slices=len(slice_sizes))
         kt.expand(y, h, b, ranks, scalings, static, slice_sizes=slice_sizes)
@@ -158,6 +163,7 @@ def test_cuda_graph_replays_a_new_plan(block_m: int) -> None:
     with torch.cuda.graph(graph):
         step()
 
+    # One adapter, 8 adapters with -1 holes, 64 distinct: few units with many programs each, then many units.
     for token_slots in ([5] * 64, [t % 8 if t % 3 else -1 for t in range(64)], list(range(63, -1, -1))):
         slots = torch.tensor(token_slots, dtype=torch.int32, device="cuda")
         static.copy_(kt.plan_segments(token_slots, "cuda", block_m=block_m, num_chunks=capacity))

@@ -264,6 +264,47 @@ class TestInterpreted:
         untouched = (case.token_slots < 0) | (case.token_slots == 2)
         assert torch.equal(y[untouched], case.y[untouched])
 
+    # fused (shrink + expand in one launch): loop = one program per (chunk, slice) over every K block and
+    # column tile; adapt = few chunks in a large plan, so each unit's programs recompute h and split its tiles.
+    @pytest.mark.parametrize(
+        ("block_m", "per_sm", "token_slots"),
+        [(16, 1, MIXED_SLOTS), (16, 4, FEW_CHUNK_SLOTS), (1, 4, SHORT_SLOTS)],
+        ids=["loop", "adapt", "token-adapt"],
+    )
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    @pytest.mark.parametrize("name", sorted(CASES))
+    def test_fused(self, name: str, dtype: torch.dtype, block_m: int, per_sm: int, token_slots: list[int]) -> None:
+        from engine import kernels_triton as kt
+
+        case = case_for(name, dtype, token_slots)
+        num_chunks = 9 if block_m == 16 else len(token_slots) + 20
+        plan = kt.plan_segments(case.token_slots, "cpu", block_m=block_m, num_chunks=num_chunks)
+        y = case.y.clone()
+        cfg = kt.FusedConfig(block_k=16, block_n=16, programs_per_sm=per_sm)
+        kt.fused(
+            y,
+            case.x,
+            case.a_stack,
+            case.b_stack,
+            case.ranks,
+            case.scalings,
+            plan,
+            slice_sizes=case.slice_sizes,
+            config=cfg,
+        )
+        assert rel_err(y, expected_y(case)) < TOLERANCE[dtype]
+        untouched = (case.token_slots < 0) | (case.token_slots == 2)
+        assert torch.equal(y[untouched], case.y[untouched])
+
+    def test_front_runs_fused(self) -> None:
+        from engine import kernels_triton as kt
+
+        case = case_for("qkv-slices", torch.float32)
+        plan = kt.plan_segments(case.token_slots, "cpu", block_m=16)
+        y = case.y.clone()
+        kt.fused(y, case.x, case.a_stack, case.b_stack, case.ranks, case.scalings, plan, slice_sizes=case.slice_sizes)
+        assert rel_err(y, expected_y(case)) < TOLERANCE[torch.float32]
+
     def test_one_adapter_prefill_chunks(self) -> None:
         from engine import kernels_triton as kt
 
