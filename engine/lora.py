@@ -8,6 +8,8 @@ forward pass serves base rows and any mix of adapters and ranks.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,42 +58,86 @@ class LoRAStacks:
         self.slot_ranks = [0] * slots
         self.slot_scalings = [0.0] * slots
         self.slot_modules: list[frozenset[str]] = [frozenset()] * slots
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._ready: list[torch.cuda.Event | None] = [None] * slots
 
     def set_lora(self, slot: int, adapter: AdapterWeights) -> None:
-        """Copy `adapter` into `slot` (replacing whatever was there)."""
+        """Copy `adapter` into `slot` (replacing whatever was there).
+
+        On CUDA the copies run on a side stream, ordered after the work already queued (which may still
+        read the slot's previous adapter); the next step that uses the slot waits for them (`wait_ready`).
+        All copies and zeroing go out as two multi-tensor calls, not one launch per tensor.
+        """
         if adapter.rank > self.max_rank:
             raise ValueError(f"rank {adapter.rank} exceeds the engine's max_lora_rank {self.max_rank}")
-        self.reset_lora(slot)
         r = adapter.rank
-        for key, (a, b) in adapter.tensors.items():
-            self.a[key][slot, :r].copy_(a, non_blocking=True)
-            self.b[key][slot, :, :r].copy_(b, non_blocking=True)
-            if key in self.bt:
-                self.bt[key][slot * self.max_rank : slot * self.max_rank + r].copy_(b.t())
-        self.ranks[slot] = r
-        self.scalings[slot] = adapter.scaling
+        stream = self._copy_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            _zero(self._stale_views(slot, adapter))
+            dst: list[torch.Tensor] = []
+            src: list[torch.Tensor] = []
+            for key, (a, b) in adapter.tensors.items():
+                dst += [self.a[key][slot, :r], self.b[key][slot, :, :r]]
+                src += [a, b]
+                if key in self.bt:
+                    dst.append(self.bt[key][slot * self.max_rank : slot * self.max_rank + r])
+                    src.append(b.t())
+            if dst:
+                torch._foreach_copy_(dst, src, non_blocking=True)
+            self.ranks[slot] = r
+            self.scalings[slot] = adapter.scaling
+        if stream is not None:
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._ready[slot] = event
         self.slot_ranks[slot] = r
         self.slot_scalings[slot] = adapter.scaling
         self.slot_modules[slot] = adapter.modules
 
+    def wait_ready(self, slots: Iterable[int]) -> None:
+        """Make the current stream wait for pending copies into `slots` (CUDA; no-op elsewhere)."""
+        for slot in slots:
+            event = self._ready[slot]
+            if event is not None:
+                torch.cuda.current_stream(event.device).wait_event(event)
+                self._ready[slot] = None
+
+    def _stale_views(self, slot: int, incoming: AdapterWeights | None) -> list[torch.Tensor]:
+        """Parts of `slot` the incoming adapter will not overwrite but the current one wrote."""
+        old_rank = self.slot_ranks[slot]
+        if old_rank == 0:
+            return []
+        new_rank = 0 if incoming is None else incoming.rank
+        new_keys = set() if incoming is None else set(incoming.tensors)
+        views: list[torch.Tensor] = []
+        for key, a in self.a.items():
+            if key[1] not in self.slot_modules[slot]:
+                continue
+            rows = slice(0, old_rank) if key not in new_keys else slice(new_rank, old_rank)
+            if rows.start >= rows.stop:
+                continue
+            views += [a[slot, rows], self.b[key][slot, :, rows]]
+            if key in self.bt:
+                base = slot * self.max_rank
+                views.append(self.bt[key][base + rows.start : base + rows.stop])
+        return views
+
     def reset_lora(self, slot: int) -> None:
         """Zero `slot`: afterwards it contributes nothing."""
-        if self.slot_ranks[slot]:
-            for module in self.slot_modules[slot]:
-                for (_, m), a in self.a.items():
-                    if m == module:
-                        a[slot].zero_()
-                for (_, m), b in self.b.items():
-                    if m == module:
-                        b[slot].zero_()
-                for (_, m), bt in self.bt.items():
-                    if m == module:
-                        bt[slot * self.max_rank : (slot + 1) * self.max_rank].zero_()
+        _zero(self._stale_views(slot, None))
         self.ranks[slot] = 0
         self.scalings[slot] = 0.0
         self.slot_ranks[slot] = 0
         self.slot_scalings[slot] = 0.0
         self.slot_modules[slot] = frozenset()
+        self._ready[slot] = None
+
+
+def _zero(views: list[torch.Tensor]) -> None:
+    if views:  # the multi-tensor op refuses an empty list
+        torch._foreach_zero_(views)
 
 
 class LoRABatch:
@@ -114,6 +160,7 @@ class LoRABatch:
         if device.type == "cuda":
             from engine.kernels_triton import plan_segments
 
+            stacks.wait_ready(seg.slot for seg in self.segments)
             self.plan = plan_segments(token_slots, device)
         if stacks.bt and len(self.segments) > 1 and len(token_slots) <= _DENSE_MAX_TOKENS:
             mask = torch.zeros(len(token_slots), stacks.slots, 1, dtype=stacks.dtype, device=device)

@@ -85,3 +85,16 @@ def test_cpu_decode_uses_the_dense_path_and_prefill_the_grouped_one(stacks: LoRA
 
 def test_pure_base_step_has_no_lora_batch(stacks: LoRAStacks) -> None:
     assert LoRABatch.build(stacks, [-1, -1, -1], torch.device("cpu")) is None
+
+
+def test_replacing_an_adapter_leaves_nothing_of_the_old_one(stacks: LoRAStacks) -> None:
+    # Slot 1 held rank 8 on q/k/down; a rank-2 adapter on q only must not inherit rows or modules from it.
+    stacks.set_lora(1, random_adapter(2, 1.0, ("q_proj",), seed=9))
+    for layer in range(TINY.num_layers):
+        assert torch.count_nonzero(stacks.a[(layer, "q_proj")][1, 2:]) == 0
+        assert torch.count_nonzero(stacks.b[(layer, "q_proj")][1, :, 2:]) == 0
+        assert torch.count_nonzero(stacks.bt[(layer, "q_proj")][1 * 8 + 2 : 2 * 8]) == 0
+        for module in ("k_proj", "down_proj"):
+            assert torch.count_nonzero(stacks.a[(layer, module)][1]) == 0
+            assert torch.count_nonzero(stacks.b[(layer, module)][1]) == 0
+    assert stacks.slot_ranks[1] == 2 and stacks.slot_modules[1] == {"q_proj"}
