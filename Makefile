@@ -30,6 +30,8 @@ bench: install-test
 	$(PY) bench/engine_cpu.py
 	$(PY) bench/gateway_rest.py
 	$(PY) bench/fairness.py
+	$(PY) bench/fairness_live.py
+	$(PY) bench/adapter_cache.py
 
 proto: install-test
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. engine/engine.proto
