@@ -24,7 +24,7 @@ from aiohttp import web
 
 from gateway.core import Gateway
 from gateway.errors import InvalidRequest, PermissionDenied, Unauthenticated
-from gateway.registry import AdapterInstance, parse_manifests
+from gateway.registry import AdapterInstance, all_versions, parse_manifests
 from gateway.tenancy import hash_api_key
 
 _YAML_TYPES = frozenset({"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml"})
@@ -63,6 +63,10 @@ class AdminApi:
         self._authorize(request)
         instances = await _read_manifests(request)
         registry = self._gateway.registry
+        # The engine checks each source (files present, PEFT format, shapes that fit the base model) before
+        # anything is stored: a bad manifest gets a 400 naming the problem, not a silent broken adapter.
+        for instance in instances:
+            await self._gateway.pool.validate(all_versions(instance))
         # SQLite writes stay off the event loop; the registry is thread-safe.
         applied = [await asyncio.to_thread(registry.apply, instance) for instance in instances]
         return web.json_response({"applied": [self._describe(i) for i in applied]})

@@ -298,6 +298,18 @@ class EnginePool:
             extra={"replica": replica.name, "adapter": adapter.engine_name, "state": response.adapter.state},
         )
 
+    async def validate(self, adapters: Iterable[ResolvedAdapter]) -> None:
+        """Register `adapters` on one healthy replica, raising its refusal (e.g. `InvalidRequest` naming a
+        missing or malformed adapter) so a bad manifest is rejected before it is stored.
+
+        Without a healthy replica nothing can be checked; the versions load when replicas come up.
+        """
+        replica = next((r for r in self.replicas if r.healthy), None)
+        if replica is None:
+            return
+        for adapter in adapters:
+            await self.register(replica, adapter)
+
     async def register_everywhere(self, adapters: Iterable[ResolvedAdapter]) -> None:
         """Register each adapter version on every healthy replica; failures are logged, not raised."""
         wanted = list(adapters)

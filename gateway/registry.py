@@ -177,6 +177,11 @@ def _pick_version(instance: AdapterInstance, routing_key: str | None) -> Adapter
     return next(v for v in reversed(instance.versions) if v.weight > 0)
 
 
+def all_versions(instance: AdapterInstance) -> builtins.list[ResolvedAdapter]:
+    """Every version of `instance` as engines would load it (for validating a manifest before applying)."""
+    return [_resolved(instance, v) for v in instance.versions]
+
+
 def _resolved(instance: AdapterInstance, version: AdapterVersion) -> ResolvedAdapter:
     return ResolvedAdapter(
         name=instance.name,

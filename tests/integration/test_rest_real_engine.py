@@ -132,3 +132,19 @@ def test_restart_keeps_registry(gateway: ServerProcess, tmp_path: Path) -> None:
         assert sorted(i.name for i in registry.list()) == sorted(DEMO_ADAPTERS)
     finally:
         registry.close()
+
+
+def test_manifest_with_a_bad_source_is_refused_and_not_stored(gateway: ServerProcess, tmp_path: Path) -> None:
+    manifest = {
+        "apiVersion": "adapter.ai/v1",
+        "kind": "AdapterInstance",
+        "metadata": {"name": "ghost"},
+        "spec": {
+            "baseModel": "smollm2-135m-instruct",
+            "versions": [{"name": "v1", "source": str(tmp_path / "missing"), "weight": 100}],
+        },
+    }
+    status, reply = http_json("POST", f"{gateway.url}/admin/adapters", {"manifests": [manifest]})
+    assert status == 400
+    assert "adapter_config.json" in reply["error"]["message"]
+    assert http_json("GET", f"{gateway.url}/admin/adapters/ghost")[0] == 404
