@@ -29,6 +29,30 @@ class SeqSlice:
     context_len: int  # tokens in the KV cache after this step (past + new)
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeView:
+    """A step where every sequence adds one token: attention for all of them in one call per layer."""
+
+    slots: torch.Tensor  # [B] KV slot of each sequence
+    positions: torch.Tensor  # [B] position of its new token
+    mask: torch.Tensor  # [B, 1, 1, max_len] True where a key position is within the sequence
+    max_len: int
+
+    @staticmethod
+    def of(seqs: list[SeqSlice], device: torch.device) -> DecodeView | None:
+        if len(seqs) < 2 or any(s.length != 1 for s in seqs):
+            return None
+        lengths = torch.tensor([s.context_len for s in seqs], device=device)
+        max_len = max(s.context_len for s in seqs)
+        mask = torch.arange(max_len, device=device)[None, :] < lengths[:, None]
+        return DecodeView(
+            slots=torch.tensor([s.kv_slot for s in seqs], device=device),
+            positions=lengths - 1,
+            mask=mask[:, None, None, :],
+            max_len=max_len,
+        )
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -78,6 +102,7 @@ class DecoderLayer(nn.Module):
         seqs: list[SeqSlice],
         kv: KVCache,
         lora: LoRABatch | None,
+        decode: DecodeView | None = None,
     ) -> torch.Tensor:
         arch = self.arch
         q_size, kv_size = arch.q_size, arch.kv_size
@@ -91,20 +116,12 @@ class DecoderLayer(nn.Module):
         q = apply_rope(qkv[:, :q_size].view(tokens, arch.num_heads, arch.head_dim), cos, sin)
         k = apply_rope(qkv[:, q_size : q_size + kv_size].view(tokens, arch.num_kv_heads, arch.head_dim), cos, sin)
         v = qkv[:, q_size + kv_size :].view(tokens, arch.num_kv_heads, arch.head_dim)
-        attn = torch.empty(tokens, arch.num_heads, arch.head_dim, dtype=x.dtype, device=x.device)
         k_cache, v_cache = kv.k[self.index], kv.v[self.index]
-        for s in seqs:
-            rows = slice(s.start, s.start + s.length)
-            past = s.context_len - s.length
-            k_cache[s.kv_slot, :, past : s.context_len] = k[rows].transpose(0, 1)
-            v_cache[s.kv_slot, :, past : s.context_len] = v[rows].transpose(0, 1)
-            keys = k_cache[s.kv_slot, :, : s.context_len].unsqueeze(0)
-            values = v_cache[s.kv_slot, :, : s.context_len].unsqueeze(0)
-            queries = q[rows].transpose(0, 1).unsqueeze(0)
-            # Prompts are prefilled whole (no prefix), so a multi-token slice is exactly causal.
-            out = F.scaled_dot_product_attention(queries, keys, values, is_causal=s.length > 1, enable_gqa=True)
-            attn[rows] = out[0].transpose(0, 1)
-        attn_flat = attn.view(tokens, q_size)
+        if decode is not None:
+            attn = self._decode_attention(q, k, v, k_cache, v_cache, decode)
+        else:
+            attn = self._attention(q, k, v, k_cache, v_cache, seqs)
+        attn_flat = attn.reshape(tokens, q_size)
         o = F.linear(attn_flat, self.o_weight)
         if lora is not None:
             lora.apply(self.index, "o_proj", attn_flat, o)
@@ -120,6 +137,47 @@ class DecoderLayer(nn.Module):
         if lora is not None:
             lora.apply(self.index, "down_proj", hidden, down)
         return x + down
+
+    @staticmethod
+    def _attention(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        seqs: list[SeqSlice],
+    ) -> torch.Tensor:
+        """Per-sequence attention (prefills, and steps mixing prefill and decode)."""
+        attn = torch.empty_like(q)
+        for s in seqs:
+            rows = slice(s.start, s.start + s.length)
+            past = s.context_len - s.length
+            k_cache[s.kv_slot, :, past : s.context_len] = k[rows].transpose(0, 1)
+            v_cache[s.kv_slot, :, past : s.context_len] = v[rows].transpose(0, 1)
+            keys = k_cache[s.kv_slot, :, : s.context_len].unsqueeze(0)
+            values = v_cache[s.kv_slot, :, : s.context_len].unsqueeze(0)
+            queries = q[rows].transpose(0, 1).unsqueeze(0)
+            # Prompts are prefilled whole (no prefix), so a multi-token slice is exactly causal.
+            out = F.scaled_dot_product_attention(queries, keys, values, is_causal=s.length > 1, enable_gqa=True)
+            attn[rows] = out[0].transpose(0, 1)
+        return attn
+
+    @staticmethod
+    def _decode_attention(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        decode: DecodeView,
+    ) -> torch.Tensor:
+        """One token per sequence: write all new keys at once, attend for all sequences in one call."""
+        k_cache[decode.slots, :, decode.positions] = k
+        v_cache[decode.slots, :, decode.positions] = v
+        keys = k_cache[decode.slots, :, : decode.max_len]
+        values = v_cache[decode.slots, :, : decode.max_len]
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=decode.mask, enable_gqa=True)
+        return out.squeeze(2)
 
 
 class DecoderModel(nn.Module):
@@ -171,8 +229,9 @@ class DecoderModel(nn.Module):
         x = F.embedding(input_ids, self.embed)
         cos = cast(torch.Tensor, self.rope_cos)[positions]
         sin = cast(torch.Tensor, self.rope_sin)[positions]
+        decode = DecodeView.of(seqs, x.device)
         for layer in self.layers:
-            x = layer(x, cos, sin, seqs, kv, lora)
+            x = layer(x, cos, sin, seqs, kv, lora, decode)
         last = torch.tensor([s.start + s.length - 1 for s in seqs], device=x.device)
         hidden = self.norm(x.index_select(0, last))
         head = self.embed if self.lm_head is None else self.lm_head

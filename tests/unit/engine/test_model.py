@@ -77,3 +77,28 @@ def test_two_sequences_in_one_step_do_not_mix(tmp_path: Path) -> None:
 def test_unknown_model_path_is_refused(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"expected a \.gguf file"):
         resolve_model(str(tmp_path / "missing"))
+
+
+def test_batched_decode_step_matches_per_sequence_decode(tmp_path: Path) -> None:
+    _save_tiny("qwen2", tmp_path)
+    arch, state = load_weights(resolve_model(str(tmp_path)))
+    model = DecoderModel(arch)
+    model.load_state(state)
+    prompts = {0: [1, 2, 3, 4, 5], 2: [9, 8, 7]}  # kv slot -> prompt (different lengths, slot 1 unused)
+
+    def prefill(kv: KVCache) -> None:
+        for slot, p in prompts.items():
+            model(torch.tensor(p), torch.arange(len(p)), [SeqSlice(slot, 0, len(p), len(p))], kv, None)
+
+    alone_kv = KVCache(arch, slots=3, max_len=32, dtype=torch.float32, device=torch.device("cpu"))
+    prefill(alone_kv)
+    alone = [
+        model(torch.tensor([40 + slot]), torch.tensor([len(p)]), [SeqSlice(slot, 0, 1, len(p) + 1)], alone_kv, None)
+        for slot, p in prompts.items()
+    ]
+    batched_kv = KVCache(arch, slots=3, max_len=32, dtype=torch.float32, device=torch.device("cpu"))
+    prefill(batched_kv)
+    seqs = [SeqSlice(slot, i, 1, len(p) + 1) for i, (slot, p) in enumerate(prompts.items())]
+    both = model(torch.tensor([40, 42]), torch.tensor([5, 3]), seqs, batched_kv, None)
+    torch.testing.assert_close(both, torch.cat(alone), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(batched_kv.k[1], alone_kv.k[1])  # the caches were written the same way
