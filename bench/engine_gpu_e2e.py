@@ -199,6 +199,31 @@ def main() -> None:
         f"({q(loading) / q(steady):.2f}x; step = one token for every running request)"
     )
 
+    # Decode throughput of the whole engine (eager, bf16): 32 requests of 64 tokens, interleaved repeats.
+    for i in range(8):
+        eng.load_adapter(f"t{i}", str(paths[20 + i]), wait=True, pin=False)
+    mixes: dict[str, list[str | None]] = {
+        "base": [None] * 32,
+        "one adapter": ["t0"] * 32,
+        "8 distinct adapters": [f"t{i % 8}" for i in range(32)],
+    }
+    rates: dict[str, list[float]] = {name: [] for name in mixes}
+    for rep in range(3):
+        for name, adapters in mixes.items():
+            reqs = [
+                (f"tp{rep}{name}{i}", prompt, SamplingParams(max_tokens=64, ignore_eos=True), a)
+                for i, a in enumerate(adapters)
+            ]
+            start = time.perf_counter()
+            drive(eng, reqs)
+            torch.cuda.synchronize()
+            rates[name].append(32 * 64 / (time.perf_counter() - start))
+    base_rate = p50(rates["base"])
+    print(
+        "decode tok/s, batch 32 x 64 tokens (median of 3): "
+        + ", ".join(f"{name} {p50(v):.0f} ({p50(v) / base_rate:.2f}x base)" for name, v in rates.items())
+    )
+
     eng.load_adapter("swap", str(paths[30]), wait=True)
     ttft(eng, "sw0", prompt, "swap")
     t0 = time.perf_counter()
