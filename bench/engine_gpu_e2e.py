@@ -100,9 +100,10 @@ def ttft(engine: LLMEngine, rid: str, prompt: list[int], adapter: str | None) ->
         adapter,
         lambda o: first.append(time.perf_counter()) if o.token_ids and not first else None,
     )
-    while not first:
-        engine.run_until_idle() if engine.scheduler.has_work() else time.sleep(0.0005)
-        engine._drain_commands()
+    while not first:  # a cold adapter: nothing to run until its weights arrive
+        engine.run_until_idle()
+        if not first:
+            time.sleep(0.0005)
     engine.run_until_idle()
     return first[0] - start
 

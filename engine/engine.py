@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -358,13 +357,3 @@ class LLMEngine:
                 error=error,
             )
         )
-
-    def wait_idle(self, timeout: float = 30.0) -> bool:
-        """For tests: True once nothing is running or waiting."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            s = self.stats()
-            if s.running == 0 and s.waiting == 0:
-                return True
-            time.sleep(0.01)
-        return False

@@ -150,7 +150,7 @@ class LoRABatch:
         for t, s in enumerate(token_slots):
             if s >= 0:
                 groups.setdefault(s, []).append(t)
-        self.segments = [_Segment.of(stacks, s, rows, len(token_slots), device) for s, rows in groups.items()]
+        self.segments = [_Segment.of(stacks, s, rows, device) for s, rows in groups.items()]
         self.modules: frozenset[str] = frozenset().union(*(seg.modules for seg in self.segments))
         # Many adapters over few tokens (decode) on the CPU: multiply by every slot at once and keep each
         # token's own slot through a scaled one-hot mask; 3 ops per projection whatever the adapter count.
@@ -217,7 +217,7 @@ class _Segment:
     span: tuple[int, int] | None  # (start, stop) when the rows are contiguous
 
     @staticmethod
-    def of(stacks: LoRAStacks, slot: int, rows: list[int], tokens: int, device: torch.device) -> _Segment:
+    def of(stacks: LoRAStacks, slot: int, rows: list[int], device: torch.device) -> _Segment:
         contiguous = rows[-1] - rows[0] + 1 == len(rows)
         return _Segment(
             slot=slot,

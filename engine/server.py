@@ -24,7 +24,7 @@ from engine.sequence import RequestOutput
 log = logging.getLogger("engine.server")
 
 
-def adapter_info(version: AdapterVersion, active: int | None = None) -> pb.AdapterInfo:
+def adapter_info(version: AdapterVersion) -> pb.AdapterInfo:
     return pb.AdapterInfo(
         name=version.name,
         path=str(version.spec.path),
@@ -35,7 +35,7 @@ def adapter_info(version: AdapterVersion, active: int | None = None) -> pb.Adapt
         pinned=version.pinned,
         requests_served=version.requests_served,
         tokens_generated=version.tokens_generated,
-        active_requests=version.active if active is None else active,
+        active_requests=version.active,
     )
 
 

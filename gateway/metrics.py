@@ -39,6 +39,16 @@ _LATENCY_BUCKETS = (
 )
 
 
+_QUEUE_INSTRUMENTS: tuple[tuple[str, str, str, str, str], ...] = (
+    ("adaptergate.queue.depth", "depth", "gauge", "1", "Requests waiting"),
+    ("adaptergate.queue.oldest_wait", "oldest_wait_s", "gauge", "s", "Wait of the oldest queued request"),
+    ("adaptergate.served_tokens", "served_tokens", "counter", "1", "Tokens served (prompt and completion) per tenant"),
+    ("adaptergate.in_flight.requests", "in_flight_requests", "gauge", "1", "Requests running on engines"),
+    ("adaptergate.in_flight.tokens", "in_flight_tokens", "gauge", "1", "Tokens reserved by running requests"),
+    ("adaptergate.queue.rejected", "rejected", "counter", "1", "Requests refused by admission limits"),
+)
+
+
 class QueueSnapshot(Protocol):
     """Per-tenant queue numbers (gateway.queue.TenantStats has these)."""
 
@@ -93,39 +103,10 @@ class GatewayMetrics:
         )
         self._queue_stats: QueueStatsFn | None = None
         self._engine_health: Callable[[], Mapping[str, bool]] | None = None
-        meter.create_observable_gauge(
-            "adaptergate.queue.depth", [self._observe("depth")], unit="1", description="Requests waiting"
-        )
-        meter.create_observable_gauge(
-            "adaptergate.queue.oldest_wait",
-            [self._observe("oldest_wait_s")],
-            unit="s",
-            description="Wait of the oldest queued request",
-        )
-        meter.create_observable_counter(
-            "adaptergate.served_tokens",
-            [self._observe("served_tokens")],
-            unit="1",
-            description="Tokens served (prompt and completion) per tenant",
-        )
-        meter.create_observable_gauge(
-            "adaptergate.in_flight.requests",
-            [self._observe("in_flight_requests")],
-            unit="1",
-            description="Requests running on engines",
-        )
-        meter.create_observable_gauge(
-            "adaptergate.in_flight.tokens",
-            [self._observe("in_flight_tokens")],
-            unit="1",
-            description="Tokens reserved by running requests",
-        )
-        meter.create_observable_counter(
-            "adaptergate.queue.rejected",
-            [self._observe("rejected")],
-            unit="1",
-            description="Requests refused by admission limits",
-        )
+        # Per-tenant queue figures, read from the queue's stats at each scrape: (name, stats field, kind, unit, what).
+        for name, stat, kind, unit, description in _QUEUE_INSTRUMENTS:
+            create = meter.create_observable_counter if kind == "counter" else meter.create_observable_gauge
+            create(name, [self._observe(stat)], unit=unit, description=description)
         meter.create_observable_gauge(
             "adaptergate.engine.healthy",
             [self._observe_engines],

