@@ -1,87 +1,65 @@
-"""The whole engine on a GPU: CUDA vs CPU agreement, cold-start TTFT, others' step time during loads, hot swap.
+"""The whole engine on a GPU: agreement with the CPU, decode throughput (graphs vs eager), cold start,
+others' inter-token latency during loads, 500 adapters on 64 slots under Zipf traffic, and hot swap.
 
-  PYTHONPATH=. python3 bench/engine_gpu_e2e.py --tokenizer DIR [--layers 30]
+  PYTHONPATH=. python3 bench/engine_gpu_e2e.py --tokenizer DIR [--layers 30] [--only abdef]
 
 No weights can be downloaded on the GPU machine, so the base model is SmolLM2-135M-shaped with random
 weights (saved as a Hugging Face folder) and the tokenizer folder is passed in. Adapters are random PEFT
-files of the real shapes. Every figure is a ratio measured in this run.
+files of the real shapes. Every figure is a ratio measured in this run; the summary comes last.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
+import random
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from safetensors.torch import save_file
 
-from engine.config import EngineConfig, ModelArch
+from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.pool import AdapterVersion
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
+from tests.support.random_model import write_random_llama
 from tests.unit.engine.tiny import write_adapter
 
 ALL7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SUMMARY: list[str] = []
+Request = tuple[str, list[int], SamplingParams, str | None]
 
 
-def random_model(folder: Path, tokenizer: Path, layers: int) -> None:
-    cfg = dict(
-        model_type="llama",
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=layers,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        tie_word_embeddings=True,
-    )
-    gen = torch.Generator().manual_seed(0)
-    h, i, kv = 576, 1536, 192
-    state = {
-        "model.embed_tokens.weight": torch.randn(49152, h, generator=gen) * 0.05,
-        "model.norm.weight": torch.ones(h),
-    }
-    shapes = {
-        "self_attn.q_proj": (h, h),
-        "self_attn.k_proj": (kv, h),
-        "self_attn.v_proj": (kv, h),
-        "self_attn.o_proj": (h, h),
-        "mlp.gate_proj": (i, h),
-        "mlp.up_proj": (i, h),
-        "mlp.down_proj": (h, i),
-    }
-    for layer in range(layers):
-        p = f"model.layers.{layer}."
-        state[p + "input_layernorm.weight"] = torch.ones(h)
-        state[p + "post_attention_layernorm.weight"] = torch.ones(h)
-        for name, shape in shapes.items():
-            state[p + name + ".weight"] = torch.randn(*shape, generator=gen) / shape[1] ** 0.5
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(cfg))
-    for f in tokenizer.iterdir():
-        shutil.copy(f, folder / f.name)
+def report(line: str) -> None:
+    print(line, flush=True)
+    SUMMARY.append(line)
 
 
-def drive(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams, str | None]]) -> dict[str, list[int]]:
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def p50(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98]
+
+
+def drive(engine: LLMEngine, requests: list[Request]) -> dict[str, list[int]]:
+    """Submit everything, step until idle; tokens per request id."""
     out: dict[str, list[int]] = {}
 
-    def sink_for(rid: str):  # type: ignore[no-untyped-def]
-        def sink(o: RequestOutput) -> None:
-            out.setdefault(rid, []).extend(o.token_ids)
-
-        return sink
+    def sink_for(rid: str) -> Callable[[RequestOutput], None]:
+        return lambda o: out.setdefault(rid, []).extend(o.token_ids)
 
     for rid, prompt, params, adapter in requests:
         engine.add_request(rid, prompt, params, adapter, sink_for(rid))
@@ -103,139 +81,329 @@ def ttft(engine: LLMEngine, rid: str, prompt: list[int], adapter: str | None) ->
     while not first:  # a cold adapter: nothing to run until its weights arrive
         engine.run_until_idle()
         if not first:
-            time.sleep(0.0005)
+            time.sleep(0.0002)
     engine.run_until_idle()
     return first[0] - start
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="e2e-"))
+        self.model = write_random_llama(self.tmp / "model", args.tokenizer, args.layers)
+        self.adapter_seed = 1000
+        self.device: str = args.device
+
+    def engine(self, device: str | None = None, dtype: str | None = None, **overrides: object) -> LLMEngine:
+        settings: dict[str, object] = dict(
+            model=str(self.model),
+            device=device or self.device,
+            dtype=dtype or ("bfloat16" if self.device == "cuda" else "float32"),
+            max_num_seqs=32,
+            max_model_len=512,
+            lora_slots=8,
+            max_lora_rank=16,
+        )
+        settings.update(overrides)
+        return LLMEngine(EngineConfig(**settings))  # type: ignore[arg-type]
+
+    def adapters(self, engine: LLMEngine, prefix: str, count: int, rank: int = 16, modules=ALL7) -> list[Path]:  # type: ignore[no-untyped-def]
+        paths = []
+        for i in range(count):
+            self.adapter_seed += 1
+            folder = self.tmp / f"{prefix}{i}"
+            paths.append(
+                write_adapter(folder, arch=engine.arch, rank=rank, alpha=rank, modules=modules, seed=self.adapter_seed)
+            )
+        return paths
+
+
+def section_agreement(b: Bench) -> None:
+    """CUDA fp32 (graphs + triton LoRA) vs CPU fp32 (torch LoRA): same greedy tokens on a mixed batch."""
+    cuda32, cpu32 = b.engine("cuda", "float32"), b.engine("cpu", "float32")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    specs = {
+        "r8-qv": (8, ("q_proj", "v_proj")),
+        "r16-all": (16, ALL7),
+        "r4-mlp": (4, ("gate_proj", "up_proj", "down_proj")),
+    }
+    for name, (rank, mods) in specs.items():
+        path = b.adapters(cuda32, name, 1, rank=rank, modules=mods)[0]
+        for e in (cuda32, cpu32):
+            e.load_adapter(name, str(path), wait=True)
+    prompt = cuda32.tokenizer.encode_chat([("user", "Tell me something about the ocean.")])
+    rows: list[str | None] = [None, "r8-qv", "r16-all", "r4-mlp", None, "r16-all"]
+    reqs: list[Request] = [(f"m{i}", prompt, SamplingParams(max_tokens=16), a) for i, a in enumerate(rows)]
+    got_cuda, got_cpu = drive(cuda32, reqs), drive(cpu32, reqs)
+    same = sum(got_cuda[r] == got_cpu[r] for r, *_ in reqs)
+    assert cuda32.graphs is not None and cuda32.graphs.replays > 0
+    report(
+        f"(agree) CUDA fp32 (decode graphs, triton LoRA) vs CPU fp32 (torch LoRA), base + 3 adapters of ranks "
+        f"4/8/16: {same}/{len(reqs)} rows token-identical over 16 greedy tokens"
+    )
+    torch.backends.cuda.matmul.allow_tf32 = True
+    cuda32.stop()
+    cpu32.stop()
+
+
+def section_throughput(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
+    """(b) decode tokens/s at batch 32: base, one adapter, 8 distinct; graphs and eager, interleaved."""
+    for i, path in enumerate(b.adapters(eng, "t", 8)):
+        eng.load_adapter(f"t{i}", str(path), wait=True)
+    mixes: dict[str, list[str | None]] = {
+        "base": [None] * 32,
+        "one adapter": ["t0"] * 32,
+        "8 distinct": [f"t{i % 8}" for i in range(32)],
+    }
+    graphs = eng.graphs
+    modes = ("graphs", "eager") if graphs is not None else ("eager",)
+    rates: dict[tuple[str, str], list[float]] = {}
+    for rep in range(4):
+        for mode in modes:
+            eng.graphs = graphs if mode == "graphs" else None
+            for name, adapters in mixes.items():
+                reqs: list[Request] = [
+                    (f"tp{rep}{mode}{name}{i}", prompt, SamplingParams(max_tokens=64, ignore_eos=True), a)
+                    for i, a in enumerate(adapters)
+                ]
+                start = time.perf_counter()
+                drive(eng, reqs)
+                sync()
+                if rep:  # the first round warms up
+                    rates.setdefault((mode, name), []).append(32 * 64 / (time.perf_counter() - start))
+    eng.graphs = graphs
+    for mode in modes:
+        base = p50(rates[(mode, "base")])
+        report(
+            f"(b) decode tok/s, batch 32 x 64 tokens incl. prefill, {mode}: "
+            + ", ".join(f"{n} {p50(rates[(mode, n)]):.0f} ({p50(rates[(mode, n)]) / base:.2f}x base)" for n in mixes)
+        )
+    for name in mixes if graphs is not None else ():
+        ratio = p50(rates[("graphs", name)]) / p50(rates[("eager", name)])
+        report(f"(b) graphs / eager, {name}: {ratio:.2f}x")
+
+
+def section_cold_start(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
+    """(d) TTFT with the adapter warm, in host RAM, on disk."""
+    paths = b.adapters(eng, "c", 11)
+    eng.load_adapter("warm", str(paths[0]), wait=True)
+    ttft(eng, "warmup", prompt, "warm")
+    warm, host, disk = [], [], []
+    for i in range(1, 6):  # interleaved so drift hits all three alike
+        warm.append(ttft(eng, f"w{i}", prompt, "warm"))
+        eng.load_adapter(f"h{i}", str(paths[i]), wait=True)  # in host memory, not in a slot
+        host.append(ttft(eng, f"hq{i}", prompt, f"h{i}"))
+        eng.load_adapter(f"d{i}", str(paths[5 + i]), wait=False)  # registered, still on disk
+        disk.append(ttft(eng, f"dq{i}", prompt, f"d{i}"))
+    report(
+        f"(d) cold start TTFT p50: warm {p50(warm) * 1e3:.2f} ms, host RAM {p50(host) * 1e3:.2f} ms "
+        f"({p50(host) / p50(warm):.2f}x warm), disk {p50(disk) * 1e3:.2f} ms (+{(p50(disk) - p50(warm)) * 1e3:.1f} ms)"
+    )
+
+
+def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
+    """(d) inter-token latency of 16 running base requests: steady, while warm-adapter requests join, and
+    while cold-adapter requests join (their adapters load from disk meanwhile)."""
+    paths = b.adapters(eng, "x", 24)
+    for i in range(12):
+        eng.load_adapter(f"xw{i}", str(paths[i]), wait=True)
+        ttft(eng, f"xwarm{i}", prompt, f"xw{i}")
+
+    def gaps(arrivals: str, tag: str) -> list[float]:
+        last: dict[str, float] = {}
+        out: list[float] = []
+
+        def sink(rid: str) -> Callable[[RequestOutput], None]:
+            def record(o: RequestOutput) -> None:
+                now = time.perf_counter()
+                if o.token_ids and rid in last:
+                    out.append(now - last[rid])
+                last[rid] = now
+
+            return record
+
+        for i in range(16):
+            rid = f"bg{tag}{i}"
+            eng.add_request(rid, prompt, SamplingParams(max_tokens=80, ignore_eos=True), None, sink(rid))
+        k = 0
+        while eng.scheduler.running or eng.scheduler.waiting or k == 0:
+            if arrivals != "none" and k % 4 == 2 and k // 4 < 12:
+                j = k // 4
+                name = f"xw{j}" if arrivals == "warm" else f"xc{tag}{j}"
+                if arrivals == "cold":
+                    eng.load_adapter(name, str(paths[12 + j]), wait=False)
+                eng.add_request(
+                    f"xq{tag}{k}", prompt, SamplingParams(max_tokens=4, ignore_eos=True), name, lambda o: None
+                )
+            eng._drain_commands()
+            eng.step()
+            sync()
+            k += 1
+            if k > 400:
+                break
+        eng.run_until_idle()
+        return out
+
+    gaps("none", "warmup")
+    steady, warm, cold = gaps("none", "s"), gaps("warm", "w"), gaps("cold", "c")
+    report(
+        f"(d) others' inter-token latency p99: steady {p99(steady) * 1e3:.2f} ms; while 12 warm-adapter requests "
+        f"join {p99(warm) * 1e3:.2f} ms ({p99(warm) / p99(steady):.2f}x steady); while 12 cold-adapter requests "
+        f"join and load {p99(cold) * 1e3:.2f} ms ({p99(cold) / p99(steady):.2f}x steady, "
+        f"{p99(cold) / p99(warm):.2f}x the warm joins: the loads' own share)"
+    )
+
+
+def zipf_trace(n: int, adapters: int, s: float, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    weights = [1.0 / (i + 1) ** s for i in range(adapters)]
+    order = list(range(adapters))
+    rng.shuffle(order)  # popularity unrelated to registration order
+    return [order[i] for i in rng.choices(range(adapters), weights=weights, k=n)]
+
+
+def timed_traffic(eng: LLMEngine, prompt: list[int], names: list[str | None], rate: float) -> list[float]:
+    """Requests arrive at `rate` per second (fixed spacing) while this thread steps; TTFT of each, from its
+    arrival time."""
+    first: dict[int, float] = {}
+    arrive: dict[int, float] = {}
+
+    def sink(i: int) -> Callable[[RequestOutput], None]:
+        def record(o: RequestOutput) -> None:
+            if o.token_ids:
+                first.setdefault(i, time.perf_counter())
+
+        return record
+
+    start = time.perf_counter()
+    nxt = 0
+    while nxt < len(names) or eng.scheduler.running or eng.scheduler.waiting or eng._pending:
+        now = time.perf_counter()
+        while nxt < len(names) and start + nxt / rate <= now:
+            i = nxt
+            arrive[i] = start + i / rate
+            eng.add_request(
+                f"z{id(names)}-{i}",
+                prompt,
+                SamplingParams(max_tokens=8, ignore_eos=True),
+                names[i],
+                sink(i),
+            )
+            nxt += 1
+        eng._drain_commands()
+        eng._reap()
+        if eng.scheduler.has_work():
+            eng.step()
+        else:
+            time.sleep(0.0002)
+    return [first[i] - arrive[i] for i in range(len(names))]
+
+
+def section_zipf(b: Bench, prompt: list[int], requests: int, rate: float) -> None:
+    """(e) 500 adapters, 64 slots, Zipf(1.0): p99 TTFT vs a one-adapter run; slot hit rate vs LRU."""
+    results: dict[str, tuple[list[float], float]] = {}
+    paths: list[Path] = []
+    trace = zipf_trace(requests, 500, 1.0, seed=7)
+    for policy in ("frequency", "lru"):
+        eng = b.engine(lora_slots=64, host_adapter_cache=128, adapter_eviction=policy)
+        if not paths:
+            paths = b.adapters(eng, "z", 500, rank=16, modules=("q_proj", "k_proj", "v_proj", "o_proj"))
+        for i, path in enumerate(paths):
+            eng.load_adapter(f"z{i}", str(path), wait=False)
+        eng.load_adapter("one", str(paths[0]), wait=True)
+        timed_traffic(eng, prompt, ["one"] * 64, rate)  # warm-up
+        if policy == "frequency":
+            results["one adapter"] = (timed_traffic(eng, prompt, ["one"] * requests, rate), 1.0)
+        hits0, misses0 = eng.pool.slot_hits, eng.pool.slot_misses
+        ttfts = timed_traffic(eng, prompt, [f"z{i}" for i in trace], rate)
+        hits, misses = eng.pool.slot_hits - hits0, eng.pool.slot_misses - misses0
+        results[policy] = (ttfts, hits / max(hits + misses, 1))
+        eng.stop()
+        del eng
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    one = p99(results["one adapter"][0])
+    for policy in ("frequency", "lru"):
+        t, hit = results[policy]
+        report(
+            f"(e) 500 adapters / 64 slots, Zipf 1.0, {requests} requests at {rate:.0f}/s, eviction {policy}: "
+            f"p99 TTFT {p99(t) * 1e3:.1f} ms ({p99(t) / one:.2f}x one-adapter {one * 1e3:.1f} ms), "
+            f"p50 {p50(t) * 1e3:.1f} ms, slot hit rate {hit:.3f}"
+        )
+    report(f"(e) hit rate ours / LRU: {results['frequency'][1] / max(results['lru'][1], 1e-9):.2f}x")
+
+
+def section_hot_swap(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
+    """(f) apply a new version while traffic runs: apply -> switch (staged load) -> first token on it."""
+    v1, *v2s = b.adapters(eng, "swap", 6)
+    eng.load_adapter("swap", str(v1), wait=True)
+    ttft(eng, "sw0", prompt, "swap")
+    totals, switches = [], []
+    for i, v2 in enumerate(v2s):
+        for j in range(8):  # live traffic on v1
+            eng.add_request(
+                f"bgs{i}{j}", prompt, SamplingParams(max_tokens=40, ignore_eos=True), "swap", lambda o: None
+            )
+        eng.step()
+        t0 = time.perf_counter()
+        new: AdapterVersion = eng.load_adapter("swap", str(v2), wait=False)
+        while eng.pool.lookup("swap") is not new:  # old version keeps serving while the new one loads
+            eng._drain_commands()
+            if eng.scheduler.has_work():
+                eng.step()
+            else:
+                time.sleep(0.0002)
+        switched = time.perf_counter()
+        first: list[float] = []
+        eng.add_request(
+            f"sw{i}",
+            prompt,
+            SamplingParams(max_tokens=2, ignore_eos=True),
+            "swap",
+            lambda o, first=first: first.append(time.perf_counter()) if o.token_ids and not first else None,  # type: ignore[misc]
+        )
+        while not first:
+            eng._drain_commands()
+            eng.step()
+        totals.append(first[0] - t0)
+        switches.append(switched - t0)
+        eng.run_until_idle()
+    report(
+        f"(f) hot swap under load, p50 of {len(totals)}: apply -> first token on the new version "
+        f"{p50(totals) * 1e3:.1f} ms (apply -> switch, i.e. the staged load, {p50(switches) * 1e3:.1f} ms)"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokenizer", type=Path, required=True)
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--only", default="abdef", help="sections: a(gree) b d e f")
+    ap.add_argument("--zipf-requests", type=int, default=1500)
+    ap.add_argument("--zipf-rate", type=float, default=150.0)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (no figures)")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="e2e-"))
-    random_model(tmp / "model", args.tokenizer, args.layers)
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-
-    def engine(device: str, dtype: str, slots: int = 8) -> LLMEngine:
-        return LLMEngine(
-            EngineConfig(
-                model=str(tmp / "model"),
-                device=device,
-                dtype=dtype,
-                max_num_seqs=32,
-                max_model_len=512,
-                lora_slots=slots,
-                max_lora_rank=16,
-            )
-        )
-
-    cuda32, cpu32 = engine("cuda", "float32"), engine("cpu", "float32")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    arch: ModelArch = cuda32.arch
-    specs = {
-        "r8-qv": (8, ("q_proj", "v_proj")),
-        "r16-all": (16, ALL7),
-        "r4-mlp": (4, ("gate_proj", "up_proj", "down_proj")),
-    }
-    for seed, (name, (rank, mods)) in enumerate(specs.items()):
-        path = write_adapter(tmp / name, arch=arch, rank=rank, alpha=2 * rank, modules=mods, seed=seed)
-        for e in (cuda32, cpu32):
-            e.load_adapter(name, str(path), wait=True)
-    prompt = cuda32.tokenizer.encode_chat([("user", "Tell me something about the ocean.")])
-    rows: list[str | None] = [None, "r8-qv", "r16-all", "r4-mlp", None, "r16-all"]
-    reqs = [(f"m{i}", prompt, SamplingParams(max_tokens=16), a) for i, a in enumerate(rows)]
-    got_cuda, got_cpu = drive(cuda32, reqs), drive(cpu32, reqs)
-    same = sum(got_cuda[r] == got_cpu[r] for r, *_ in reqs)
-    print(
-        f"CUDA fp32 (triton LoRA) vs CPU fp32 (torch LoRA), mixed batch base + 3 adapters of ranks 4/8/16: "
-        f"{same}/{len(reqs)} rows token-identical over 16 greedy tokens"
-    )
-    del cuda32, cpu32
-
-    eng = engine("cuda", "bfloat16", slots=8)
-    paths = [write_adapter(tmp / f"c{i}", arch=arch, rank=16, alpha=16, modules=ALL7, seed=100 + i) for i in range(40)]
-    eng.load_adapter("warm", str(paths[0]), wait=True)
-    ttft(eng, "warmup", prompt, "warm")
-    warm = [ttft(eng, f"w{i}", prompt, "warm") for i in range(5)]
-    host, disk = [], []
-    for i in range(1, 6):
-        eng.load_adapter(f"h{i}", str(paths[i]), wait=True)  # in host memory, not in a slot
-        host.append(ttft(eng, f"hq{i}", prompt, f"h{i}"))
-    for i in range(6, 11):
-        eng.load_adapter(f"d{i}", str(paths[i]), wait=False)  # registered, still on disk
-        disk.append(ttft(eng, f"dq{i}", prompt, f"d{i}"))
-    p50 = statistics.median
-    print(
-        f"cold start TTFT p50: warm {p50(warm) * 1e3:.2f} ms, host RAM {p50(host) * 1e3:.2f} ms "
-        f"({p50(host) / p50(warm):.2f}x warm), disk {p50(disk) * 1e3:.2f} ms (+{(p50(disk) - p50(warm)) * 1e3:.1f} ms)"
-    )
-
-    # Others' step time: 16 base requests decoding; steady vs while cold adapters load and join.
-    def steps_while(cold: bool) -> list[float]:
-        for i in range(16):
-            eng.add_request(
-                f"bg{cold}{i}", prompt, SamplingParams(max_tokens=60, ignore_eos=True), None, lambda o: None
-            )
-        eng._drain_commands()
-        times, k = [], 0
-        while eng.scheduler.running or eng.scheduler.waiting:
-            if cold and k % 4 == 0 and k // 4 < 12:
-                name = f"x{k}"
-                eng.load_adapter(name, str(paths[11 + k // 4]), wait=False)
-                eng.add_request(f"xq{k}", prompt, SamplingParams(max_tokens=4, ignore_eos=True), name, lambda o: None)
-                eng._drain_commands()
-            t = time.perf_counter()
-            eng.step()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-            k += 1
-        return times[1:]
-
-    steps_while(False)  # warm-up: the first batch of 16 compiles the prefill-shaped triton kernels
-    steady, loading = steps_while(False), steps_while(True)
-    q = lambda v: statistics.quantiles(v, n=100)[98]  # noqa: E731
-    print(
-        f"others' step time p99: steady {q(steady) * 1e3:.2f} ms, during cold loads {q(loading) * 1e3:.2f} ms "
-        f"({q(loading) / q(steady):.2f}x; step = one token for every running request)"
-    )
-
-    # Decode throughput of the whole engine (eager, bf16): 32 requests of 64 tokens, interleaved repeats.
-    for i in range(8):
-        eng.load_adapter(f"t{i}", str(paths[20 + i]), wait=True, pin=False)
-    mixes: dict[str, list[str | None]] = {
-        "base": [None] * 32,
-        "one adapter": ["t0"] * 32,
-        "8 distinct adapters": [f"t{i % 8}" for i in range(32)],
-    }
-    rates: dict[str, list[float]] = {name: [] for name in mixes}
-    for rep in range(3):
-        for name, adapters in mixes.items():
-            reqs = [
-                (f"tp{rep}{name}{i}", prompt, SamplingParams(max_tokens=64, ignore_eos=True), a)
-                for i, a in enumerate(adapters)
-            ]
-            start = time.perf_counter()
-            drive(eng, reqs)
-            torch.cuda.synchronize()
-            rates[name].append(32 * 64 / (time.perf_counter() - start))
-    base_rate = p50(rates["base"])
-    print(
-        "decode tok/s, batch 32 x 64 tokens (median of 3): "
-        + ", ".join(f"{name} {p50(v):.0f} ({p50(v) / base_rate:.2f}x base)" for name, v in rates.items())
-    )
-
-    eng.load_adapter("swap", str(paths[30]), wait=True)
-    ttft(eng, "sw0", prompt, "swap")
-    t0 = time.perf_counter()
-    eng.load_adapter("swap", str(paths[31]), wait=False)  # apply v2 while v1 is registered
-    new = eng.pool.lookup("swap")
-    first = ttft(eng, "sw1", prompt, "swap")
-    assert eng.pool.lookup("swap") is new
-    print(
-        f"hot swap: apply -> first token on the new version {(time.perf_counter() - t0) * 1e3:.2f} ms "
-        f"(TTFT of that request {first * 1e3:.2f} ms; warm TTFT {p50(warm) * 1e3:.2f} ms)"
-    )
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"device: {name}, torch {torch.__version__}", flush=True)
+    b = Bench(args)
+    if "a" in args.only and args.device == "cuda":
+        section_agreement(b)
+    eng = b.engine()
+    prompt = eng.tokenizer.encode_chat([("user", "Tell me something about the ocean.")])
+    if "b" in args.only:
+        section_throughput(b, eng, prompt)
+    if "d" in args.only:
+        section_cold_start(b, eng, prompt)
+        section_others_during_loads(b, eng, prompt)
+    if "f" in args.only:
+        section_hot_swap(b, eng, prompt)
+    eng.stop()
+    del eng
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if "e" in args.only:
+        section_zipf(b, prompt, args.zipf_requests, args.zipf_rate)
+    print("\n== summary ==")
+    print("\n".join(SUMMARY))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = EngineConfig()
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
-        parser.add_argument(flag, type=type(getattr(defaults, field.name)), default=getattr(defaults, field.name))
+        default = getattr(defaults, field.name)
+        if isinstance(default, bool):  # type=bool would read "--flag False" as True
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            parser.add_argument(flag, type=type(default), default=default)
     return parser
 
 

@@ -18,6 +18,8 @@ import torch
 
 from engine.adapters import AdapterError
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
+from engine.eviction import DecayedFrequencyPolicy, LRUPolicy
 from engine.kv_cache import KVCache
 from engine.loader import load_weights, resolve_model
 from engine.lora import LoRABatch, LoRAStacks
@@ -69,9 +71,14 @@ class LLMEngine:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.stacks = LoRAStacks(arch, config.lora_slots, config.max_lora_rank, self.dtype, self.device)
         self.kv = KVCache(arch, self._kv_slots(), self.max_model_len, self.dtype, self.device)
-        self.pool = AdapterPool(arch, self.stacks, self.dtype, config.host_adapter_cache)
+        eviction = LRUPolicy() if config.adapter_eviction == "lru" else DecayedFrequencyPolicy()
+        self.pool = AdapterPool(arch, self.stacks, self.dtype, config.host_adapter_cache, eviction)
         self.pool.on_loaded.append(self._wake)
         self.scheduler = Scheduler(self.kv, self.pool, config.max_num_batched_tokens)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.kv, self.stacks, self.kv.total)
+            self.graphs.capture_all()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stop = threading.Event()
@@ -91,7 +98,7 @@ class LLMEngine:
         per_slot = KVCache.bytes_per_token(self.arch, self.dtype) * self.max_model_len
         # Leave room for activations of a full prefill step (logits over the vocabulary dominate).
         reserve = self.config.max_num_batched_tokens * self.arch.vocab_size * 4 * 2
-        fit = int((free * self.config.gpu_memory_utilization - reserve) // per_slot)
+        fit = int((free * self.config.gpu_memory_utilization - reserve) // per_slot) - 1  # - the scratch row
         if fit < 1:
             raise ValueError(
                 f"not enough GPU memory for one KV slot of {self.max_model_len} tokens "
@@ -275,16 +282,47 @@ class LLMEngine:
                 self._finish(seq, "error", error=f"adapter {seq.adapter.name!r} failed to load: {seq.adapter.error}")
 
     def step(self) -> None:
-        """One forward pass: prefill newly admitted requests, decode one token for all running ones."""
+        """One step: prefill newly admitted requests, decode one token for all running ones.
+
+        On CUDA the decoding requests run as a captured graph and the prefills as a separate eager pass, so
+        a prefill joining the batch adds its own time to the step but never takes the others off the graph.
+        """
         admitted = set(self.scheduler.schedule())
         running = list(self.scheduler.running)
         if not running:
             return
+        order: list[Sequence] = []
+        parts: list[torch.Tensor] = []
+        eager = running
+        if self.graphs is not None:
+            decoding = [s for s in running if s not in admitted]
+            logits = self._decode_graphed(decoding) if decoding else None
+            if logits is not None:
+                order, parts = decoding, [logits]
+                eager = [s for s in running if s in admitted]
+        if eager:
+            order, parts = order + eager, [*parts, self._forward_eager(eager, admitted)]
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        tokens = sample(logits, [s.params for s in order], [s.generator for s in order])
+        self.steps += 1
+        for seq, token in zip(order, tokens, strict=True):
+            self._append(seq, token)
+
+    def _decode_graphed(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        assert self.graphs is not None
+        return self.graphs.run(
+            [s.output_ids[-1] for s in seqs],
+            [s.context_len - 1 for s in seqs],
+            [s.kv_slot for s in seqs],
+            [s.lora_slot for s in seqs],
+        )
+
+    def _forward_eager(self, seqs: list[Sequence], admitted: set[Sequence]) -> torch.Tensor:
         input_ids: list[int] = []
         positions: list[int] = []
         token_slots: list[int] = []
         slices: list[SeqSlice] = []
-        for seq in running:
+        for seq in seqs:
             start = len(input_ids)
             if seq in admitted:
                 input_ids.extend(seq.prompt_ids)
@@ -297,13 +335,9 @@ class LLMEngine:
             token_slots.extend([seq.lora_slot] * (len(input_ids) - start))
         dev = self.device
         lora = LoRABatch.build(self.stacks, token_slots, dev)
-        logits = self.model(
+        return self.model(
             torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), slices, self.kv, lora
         )
-        tokens = sample(logits, [s.params for s in running], [s.generator for s in running])
-        self.steps += 1
-        for seq, token in zip(running, tokens, strict=True):
-            self._append(seq, token)
 
     def _append(self, seq: Sequence, token: int) -> None:
         params = seq.params

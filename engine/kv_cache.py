@@ -13,15 +13,19 @@ from engine.config import ModelArch
 
 
 class KVCache:
-    """k[layer] / v[layer]: [slots, kv_heads, max_len, head_dim]."""
+    """k[layer] / v[layer]: [slots + 1, kv_heads, max_len, head_dim].
+
+    Row `scratch_slot` (the last) is never handed out: padding rows of a CUDA-graph batch write there.
+    """
 
     def __init__(self, arch: ModelArch, slots: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        shape = (slots, arch.num_kv_heads, max_len, arch.head_dim)
+        shape = (slots + 1, arch.num_kv_heads, max_len, arch.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
         self.max_len = max_len
         self._free = list(range(slots - 1, -1, -1))
         self.total = slots
+        self.scratch_slot = slots
 
     @staticmethod
     def bytes_per_token(arch: ModelArch, dtype: torch.dtype) -> int:

@@ -18,6 +18,14 @@ import torch
 from engine import kernels
 from engine.config import ModelArch
 
+# Projections that share an input, applied together: (group -> members, in fused output column order).
+PROJECTION_GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
 if TYPE_CHECKING:
     from engine.kernels_triton import SegmentPlan
 
@@ -41,18 +49,46 @@ class LoRAStacks:
 
     def __init__(self, arch: ModelArch, slots: int, max_rank: int, dtype: torch.dtype, device: torch.device):
         self.slots, self.max_rank, self.dtype = slots, max_rank, dtype
+        shapes = arch.projection_shapes()
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
         self.bt: dict[tuple[int, str], torch.Tensor] = {}
+        # On CUDA the projections of a group (sharing an input) live in one fused stack, A along the rank
+        # axis and B along the output axis (kernels.py "Fused projections"): one kernel pair per group.
+        self.group_a: dict[tuple[int, str], torch.Tensor] = {}
+        self.group_b: dict[tuple[int, str], torch.Tensor] = {}
+        self.group_slices = {g: tuple(shapes[m][1] for m in members) for g, members in PROJECTION_GROUPS.items()}
+        fused = device.type == "cuda"
         for layer in range(arch.num_layers):
-            for module, (fan_in, fan_out) in arch.projection_shapes().items():
-                self.a[(layer, module)] = torch.zeros(slots, max_rank, fan_in, dtype=dtype, device=device)
-                self.b[(layer, module)] = torch.zeros(slots, fan_out, max_rank, dtype=dtype, device=device)
-                if device.type == "cpu":
-                    # B^T of every slot side by side, [slots * max_rank, out]: the CPU decode path multiplies
-                    # by all slots at once instead of one small matmul per adapter.
-                    self.bt[(layer, module)] = torch.zeros(slots * max_rank, fan_out, dtype=dtype, device=device)
+            for group, members in PROJECTION_GROUPS.items():
+                fan_in = shapes[members[0]][0]
+                if fused:
+                    a = torch.zeros(slots, len(members) * max_rank, fan_in, dtype=dtype, device=device)
+                    b = torch.zeros(slots, sum(self.group_slices[group]), max_rank, dtype=dtype, device=device)
+                    self.group_a[(layer, group)], self.group_b[(layer, group)] = a, b
+                n0 = 0
+                for i, module in enumerate(members):
+                    fan_out = shapes[module][1]
+                    if fused:  # views into the group's stacks
+                        self.a[(layer, module)] = a[:, i * max_rank : (i + 1) * max_rank]
+                        self.b[(layer, module)] = b[:, n0 : n0 + fan_out]
+                    else:
+                        self.a[(layer, module)] = torch.zeros(slots, max_rank, fan_in, dtype=dtype, device=device)
+                        self.b[(layer, module)] = torch.zeros(slots, fan_out, max_rank, dtype=dtype, device=device)
+                        # B^T of every slot side by side, [slots * max_rank, out]: the CPU decode path
+                        # multiplies by all slots at once instead of one small matmul per adapter.
+                        self.bt[(layer, module)] = torch.zeros(slots * max_rank, fan_out, dtype=dtype, device=device)
+                    n0 += fan_out
+        # Columns of one step's fp32 shrink output per (layer, group): one zeroed workspace serves a step.
+        self.h_offsets: dict[tuple[int, str], tuple[int, int]] = {}
+        for key, a in self.group_a.items():
+            self.h_offsets[key] = (sum(w for _, w in self.h_offsets.values()), a.shape[1])
+        self.h_width = sum(w for _, w in self.h_offsets.values())
         self.ranks = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.modules: frozenset[str] = frozenset(shapes)
+        # Rank per slot and group, 0 where the slot's adapter touches none of the group's projections: the
+        # CUDA kernels skip those (a captured graph applies every group, whatever the batch's adapters).
+        self.group_ranks = {g: torch.zeros(slots, dtype=torch.int32, device=device) for g in PROJECTION_GROUPS}
         self.scalings = torch.zeros(slots, dtype=torch.float32, device=device)
         # Host-side copies so the CPU path never synchronises to read a rank.
         self.slot_ranks = [0] * slots
@@ -88,6 +124,8 @@ class LoRAStacks:
                 torch._foreach_copy_(dst, src, non_blocking=True)
             self.ranks[slot] = r
             self.scalings[slot] = adapter.scaling
+            for group, ranks in self.group_ranks.items():
+                ranks[slot] = r if adapter.modules.intersection(PROJECTION_GROUPS[group]) else 0
         if stream is not None:
             event = torch.cuda.Event()
             event.record(stream)
@@ -129,6 +167,8 @@ class LoRAStacks:
         _zero(self._stale_views(slot, None))
         self.ranks[slot] = 0
         self.scalings[slot] = 0.0
+        for ranks in self.group_ranks.values():
+            ranks[slot] = 0
         self.slot_ranks[slot] = 0
         self.slot_scalings[slot] = 0.0
         self.slot_modules[slot] = frozenset()
@@ -162,11 +202,62 @@ class LoRABatch:
 
             stacks.wait_ready(seg.slot for seg in self.segments)
             self.plan = plan_segments(token_slots, device)
+        self.h = self._workspace(len(token_slots))
         if stacks.bt and len(self.segments) > 1 and len(token_slots) <= _DENSE_MAX_TOKENS:
             mask = torch.zeros(len(token_slots), stacks.slots, 1, dtype=stacks.dtype, device=device)
             for seg in self.segments:
                 mask[seg.rows, seg.slot] = seg.scaling
             self.dense_mask = mask
+
+    @classmethod
+    def static(cls, stacks: LoRAStacks, token_slots: torch.Tensor, plan: SegmentPlan) -> LoRABatch:
+        """A CUDA batch over preallocated `token_slots` and `plan` buffers, for capture in a CUDA graph.
+
+        It applies every projection (per-projection ranks make the kernels skip what a slot lacks), so a
+        replay serves whatever adapters the refilled plan names.
+        """
+        batch = cls.__new__(cls)
+        batch.stacks, batch.token_slots, batch.plan = stacks, token_slots, plan
+        batch.segments, batch.modules, batch.dense_mask = [], stacks.modules, None
+        batch.h = batch._workspace(token_slots.shape[0])
+        return batch
+
+    def _workspace(self, num_tokens: int) -> torch.Tensor | None:
+        # Decode-sized steps zero one buffer for every group of every layer (one memset, not one per
+        # projection); a long prefill allocates per group instead, to keep the buffer small.
+        if self.plan is None or num_tokens > _SHARED_H_MAX_TOKENS:
+            return None
+        return torch.zeros(num_tokens, self.stacks.h_width, dtype=torch.float32, device=self.token_slots.device)
+
+    def apply_group(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """`apply` for every projection of `group` (`PROJECTION_GROUPS`), whose outputs are the column
+        slices of `y` in member order; on CUDA one shrink and one expand cover them all."""
+        members = PROJECTION_GROUPS[group]
+        if self.modules.isdisjoint(members):
+            return
+        stacks = self.stacks
+        if self.plan is not None:
+            h = None
+            if self.h is not None:
+                start, width = stacks.h_offsets[(layer, group)]
+                h = self.h[:, start : start + width]
+            kernels.lora_apply(
+                y,
+                x,
+                stacks.group_a[(layer, group)],
+                stacks.group_b[(layer, group)],
+                stacks.group_ranks[group],
+                stacks.scalings,
+                self.token_slots,
+                slice_sizes=stacks.group_slices[group],
+                plan=self.plan,
+                h=h,
+            )
+            return
+        n0 = 0
+        for module, width in zip(members, stacks.group_slices[group], strict=True):
+            self.apply(layer, module, x, y[:, n0 : n0 + width])
+            n0 += width
 
     @staticmethod
     def build(stacks: LoRAStacks, token_slots: list[int], device: torch.device) -> LoRABatch | None:
@@ -181,9 +272,7 @@ class LoRABatch:
             return
         a_stack, b_stack = self.stacks.a[(layer, module)], self.stacks.b[(layer, module)]
         if self.plan is not None:
-            s = self.stacks
-            kernels.lora_apply(y, x, a_stack, b_stack, s.ranks, s.scalings, self.token_slots, plan=self.plan)
-            return
+            raise ValueError("on CUDA projections are applied by group (apply_group)")
         if self.dense_mask is not None:
             slots, rank = a_stack.shape[0], a_stack.shape[1]
             h = (x @ a_stack.view(slots * rank, -1).t()).view(-1, slots, rank) * self.dense_mask
@@ -205,6 +294,7 @@ class LoRABatch:
 
 
 _DENSE_MAX_TOKENS = 64
+_SHARED_H_MAX_TOKENS = 512
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,13 @@ class DecodeView:
             max_len=max_len,
         )
 
+    @staticmethod
+    def of_buffers(slots: torch.Tensor, positions: torch.Tensor, max_len: int) -> DecodeView:
+        """From device tensors alone (no host values), so a CUDA graph can capture it and replay it with
+        whatever the buffers hold; keys at positions <= each row's own position are attended."""
+        mask = torch.arange(max_len, device=positions.device)[None, :] <= positions[:, None]
+        return DecodeView(slots=slots, positions=positions, mask=mask[:, None, None, :], max_len=max_len)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -109,9 +116,7 @@ class DecoderLayer(nn.Module):
         normed = self.input_norm(x)
         qkv = F.linear(normed, self.qkv_weight, self.qkv_bias)
         if lora is not None:
-            lora.apply(self.index, "q_proj", normed, qkv[:, :q_size])
-            lora.apply(self.index, "k_proj", normed, qkv[:, q_size : q_size + kv_size])
-            lora.apply(self.index, "v_proj", normed, qkv[:, q_size + kv_size :])
+            lora.apply_group(self.index, "qkv", normed, qkv)
         tokens = x.shape[0]
         q = apply_rope(qkv[:, :q_size].view(tokens, arch.num_heads, arch.head_dim), cos, sin)
         k = apply_rope(qkv[:, q_size : q_size + kv_size].view(tokens, arch.num_kv_heads, arch.head_dim), cos, sin)
@@ -124,18 +129,17 @@ class DecoderLayer(nn.Module):
         attn_flat = attn.reshape(tokens, q_size)
         o = F.linear(attn_flat, self.o_weight)
         if lora is not None:
-            lora.apply(self.index, "o_proj", attn_flat, o)
+            lora.apply_group(self.index, "o", attn_flat, o)
         x = x + o
         normed = self.post_norm(x)
         gate_up = F.linear(normed, self.gate_up_weight)
         inter = arch.intermediate_size
         if lora is not None:
-            lora.apply(self.index, "gate_proj", normed, gate_up[:, :inter])
-            lora.apply(self.index, "up_proj", normed, gate_up[:, inter:])
+            lora.apply_group(self.index, "gate_up", normed, gate_up)
         hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         down = F.linear(hidden, self.down_weight)
         if lora is not None:
-            lora.apply(self.index, "down_proj", hidden, down)
+            lora.apply_group(self.index, "down", hidden, down)
         return x + down
 
     @staticmethod
@@ -226,13 +230,33 @@ class DecoderModel(nn.Module):
         lora: LoRABatch | None,
     ) -> torch.Tensor:
         """Logits [len(seqs), vocab] for the last token of every sequence in the step."""
+        decode = DecodeView.of(seqs, input_ids.device)
+        x = self._layers(input_ids, positions, seqs, kv, lora, decode)
+        last = torch.tensor([s.start + s.length - 1 for s in seqs], device=x.device)
+        return self._logits(x.index_select(0, last))
+
+    @torch.inference_mode()
+    def decode(self, input_ids: torch.Tensor, view: DecodeView, kv: KVCache, lora: LoRABatch | None) -> torch.Tensor:
+        """Logits [B, vocab] for a step of one new token per sequence, described by device tensors only
+        (`DecodeView.of_buffers`): no host reads or uploads, so a CUDA graph can capture it."""
+        return self._logits(self._layers(input_ids, view.positions, [], kv, lora, view))
+
+    def _layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seqs: list[SeqSlice],
+        kv: KVCache,
+        lora: LoRABatch | None,
+        decode: DecodeView | None,
+    ) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
         cos = cast(torch.Tensor, self.rope_cos)[positions]
         sin = cast(torch.Tensor, self.rope_sin)[positions]
-        decode = DecodeView.of(seqs, x.device)
         for layer in self.layers:
             x = layer(x, cos, sin, seqs, kv, lora, decode)
-        last = torch.tensor([s.start + s.length - 1 for s in seqs], device=x.device)
-        hidden = self.norm(x.index_select(0, last))
+        return x
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        return F.linear(self.norm(hidden), head).float()

@@ -4,8 +4,10 @@ Thread model: gRPC handlers register adapters; the engine thread acquires and re
 executor reads weights from disk. One lock guards the tables; weight copies into slots happen on the
 engine thread only, between steps.
 
-Versions make hot swap safe: registering a name again creates a new `AdapterVersion`; requests already
-holding the old one finish on it, and its slot is freed when the last of them releases it.
+Versions make hot swap safe: registering a name again creates a new `AdapterVersion` that loads in the
+background while the old one keeps serving; once the new weights are in host memory the name switches to
+them in one step (a new version that fails to load never replaces a working one). Requests already holding
+the old version finish on it, and its slot is freed when the last of them releases it.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class AdapterVersion:
     last_used: float = 0.0
     requests_served: int = 0
     tokens_generated: int = 0
+    settled: threading.Event = field(default_factory=threading.Event)  # set when a load ends (any outcome)
 
     @property
     def key(self) -> str:
@@ -91,12 +94,15 @@ class AdapterPool:
         self._host_capacity = host_capacity
         self._lock = threading.RLock()  # a load may finish inside _start_load
         self._by_name: dict[str, AdapterVersion] = {}
+        self._staged: dict[str, AdapterVersion] = {}  # new versions loading while the current one serves
         self._retired: list[AdapterVersion] = []
         self._slots: list[AdapterVersion | None] = [None] * stacks.slots
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="adapter-load")
         self.on_loaded: list[Callable[[], None]] = []
         self.loads_started = 0
         self.evictions = 0
+        self.slot_hits = 0  # acquires that found the version already in a slot
+        self.slot_misses = 0
         self.negative_ttl_s = 10.0
 
     def close(self) -> None:
@@ -105,7 +111,11 @@ class AdapterPool:
     # -- registration (any thread) -------------------------------------------------------------------
 
     def register(self, name: str, path: str | Path, pinned: bool = False) -> AdapterVersion:
-        """Validate the adapter (raises AdapterError) and make it the current version of `name`."""
+        """Validate the adapter (raises AdapterError) and make it the version of `name`.
+
+        A first version is current at once (its requests wait for its load). A replacement is staged: the
+        current version keeps serving until the new one's weights are loaded, then the name switches.
+        """
         spec = read_spec(path, self._arch, self._stacks.max_rank)
         version = AdapterVersion(name=name, spec=spec, pinned=pinned)
         with self._lock:
@@ -113,14 +123,23 @@ class AdapterPool:
             if old is not None and old.spec.path == spec.path and old.error is None:
                 old.pinned = pinned
                 return old
-            self._by_name[name] = version
-            if old is not None:
-                self._retire(old)
+            superseded = self._staged.pop(name, None)
+            if superseded is not None:
+                self._retire(superseded)
+            if old is not None and old.error is None:
+                self._staged[name] = version
+            else:
+                self._by_name[name] = version
+                if old is not None:
+                    self._retire(old)
             self._start_load(version)
         return version
 
     def unregister(self, name: str) -> bool:
         with self._lock:
+            staged = self._staged.pop(name, None)
+            if staged is not None:
+                self._retire(staged)
             version = self._by_name.pop(name, None)
             if version is None:
                 return False
@@ -136,11 +155,12 @@ class AdapterPool:
             return list(self._by_name.values())
 
     def wait_loaded(self, version: AdapterVersion, timeout: float | None = None) -> None:
-        """Block until `version` is in host memory (raises AdapterError if the load failed)."""
+        """Block until `version`'s load has ended and taken effect (a staged version is then current);
+        raises AdapterError if the load failed, TimeoutError if it is still running after `timeout`."""
         with self._lock:
-            future = version.loading
-        if future is not None:
-            future.result(timeout)
+            loading = version.loading is not None
+        if loading and not version.settled.wait(timeout):
+            raise TimeoutError(f"adapter {version.name!r} still loading after {timeout} s")
         if version.error:
             raise AdapterError(version.error)
 
@@ -172,10 +192,13 @@ class AdapterPool:
                 slot = self._free_slot()
                 if slot is None:
                     return None
+                self.slot_misses += 1
                 self._stacks.set_lora(slot, version.weights)
                 self._slots[slot] = version
                 version.slot = slot
                 self._eviction.on_insert(version.key, 1, time.monotonic())
+            else:
+                self.slot_hits += 1
             self._eviction.on_access(version.key, 1, time.monotonic())
             version.active += 1
             version.requests_served += 1
@@ -195,24 +218,38 @@ class AdapterPool:
     def _start_load(self, version: AdapterVersion) -> None:
         self.loads_started += 1
         version.error = None
+        version.settled.clear()
         future = self._executor.submit(load_adapter, version.spec, self._dtype)
         version.loading = future
         future.add_done_callback(functools.partial(self._loaded, version))
 
     def _loaded(self, version: AdapterVersion, future: Future[AdapterWeights]) -> None:
-        with self._lock:
-            version.loading = None
-            if future.cancelled():
-                return
-            exc = future.exception()
-            if exc is not None:
-                version.error = str(exc) if isinstance(exc, AdapterError) else f"load failed: {exc!r}"
-                version.failed_at = time.monotonic()
-                return
-            # A retired version still loads: requests admitted before the swap finish on it.
-            version.weights = future.result()
-            if not version.retired:
-                self._trim_host()
+        try:
+            with self._lock:
+                version.loading = None
+                if future.cancelled():
+                    return
+                exc = future.exception()
+                staged = self._staged.get(version.name) is version
+                if exc is not None:
+                    version.error = str(exc) if isinstance(exc, AdapterError) else f"load failed: {exc!r}"
+                    version.failed_at = time.monotonic()
+                    if staged:  # the working version stays current
+                        del self._staged[version.name]
+                        version.retired = True
+                    return
+                # A retired version still loads: requests admitted before the swap finish on it.
+                version.weights = future.result()
+                if staged:
+                    del self._staged[version.name]
+                    old = self._by_name.get(version.name)
+                    self._by_name[version.name] = version
+                    if old is not None:
+                        self._retire(old)
+                if not version.retired:
+                    self._trim_host()
+        finally:
+            version.settled.set()
         for callback in self.on_loaded:
             callback()
 

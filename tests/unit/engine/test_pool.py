@@ -28,6 +28,16 @@ def _loaded(pool: AdapterPool, name: str, folder: Path, pin: bool = False):  # t
     return version
 
 
+def _poison(folder: Path, value: float) -> Path:
+    """Overwrite one weight of the adapter in `folder` with `value` (a load must then refuse it)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    tensors[next(iter(tensors))][0, 0] = value
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
 def test_register_loads_in_background_then_acquires_a_slot(pool: AdapterPool, tmp_path: Path) -> None:
     version = _loaded(pool, "a", write_adapter(tmp_path / "a"))
     assert version.state is AdapterState.HOST
@@ -87,12 +97,7 @@ def test_failed_load_is_reported(pool: AdapterPool, tmp_path: Path) -> None:
     version = pool.register("a", folder)
     pool.wait_loaded(version, timeout=10)
     pool.unregister("a")
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(str(folder / "adapter_model.safetensors"))
-    tensors[next(iter(tensors))][0, 0] = float("inf")
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    broken = pool.register("a", folder)
+    broken = pool.register("a", _poison(folder, float("inf")))
     with pytest.raises(AdapterError, match="NaN or infinite"):
         pool.wait_loaded(broken, timeout=10)
     assert broken.state is AdapterState.FAILED
@@ -126,3 +131,34 @@ def test_failed_load_is_not_retried_while_in_the_negative_cache(pool: AdapterPoo
     pool.negative_ttl_s = 0.0  # expired: the next request tries the disk again
     pool.ready(version)
     assert pool.loads_started == loads + 1
+
+
+def test_hot_swap_serves_the_old_version_until_the_new_one_is_loaded(
+    pool: AdapterPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from engine import pool as pool_module
+
+    old = _loaded(pool, "x", write_adapter(tmp_path / "v1", seed=1))
+    gate = threading.Event()
+    real_load = pool_module.load_adapter
+
+    def held_load(spec, dtype):  # type: ignore[no-untyped-def]
+        gate.wait(10)
+        return real_load(spec, dtype)
+
+    monkeypatch.setattr(pool_module, "load_adapter", held_load)
+    new = pool.register("x", write_adapter(tmp_path / "v2", seed=2))
+    assert pool.lookup("x") is old and not old.retired  # requests arriving now still get working weights
+    gate.set()
+    pool.wait_loaded(new, timeout=10)
+    assert pool.lookup("x") is new and old.retired
+
+
+def test_a_replacement_that_fails_to_load_leaves_the_working_version(pool: AdapterPool, tmp_path: Path) -> None:
+    old = _loaded(pool, "x", write_adapter(tmp_path / "v1", seed=1))
+    new = pool.register("x", _poison(write_adapter(tmp_path / "v2", seed=2), float("nan")))
+    with pytest.raises(AdapterError, match="NaN"):
+        pool.wait_loaded(new, timeout=10)
+    assert pool.lookup("x") is old and not old.retired and old.weights is not None

@@ -1,0 +1,69 @@
+"""Random-weight Llama-family models saved as Hugging Face folders, for GPU runs where no weights can be
+downloaded (the tokenizer folder is passed in: a copy of the converted SmolLM2 tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+SMOLLM2_SHAPE = dict(hidden=576, inter=1536, heads=9, kv_heads=3, vocab=49152)
+
+
+def write_random_llama(
+    folder: Path,
+    tokenizer: Path,
+    layers: int,
+    *,
+    hidden: int = 576,
+    inter: int = 1536,
+    heads: int = 9,
+    kv_heads: int = 3,
+    vocab: int = 49152,
+    seed: int = 0,
+) -> Path:
+    """A SmolLM2-135M-shaped model by default (tied embeddings), weights scaled to keep activations sane."""
+    head_dim = hidden // heads
+    kv = kv_heads * head_dim
+    gen = torch.Generator().manual_seed(seed)
+    state = {
+        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen) * 0.05,
+        "model.norm.weight": torch.ones(hidden),
+    }
+    shapes = {
+        "self_attn.q_proj": (hidden, hidden),
+        "self_attn.k_proj": (kv, hidden),
+        "self_attn.v_proj": (kv, hidden),
+        "self_attn.o_proj": (hidden, hidden),
+        "mlp.gate_proj": (inter, hidden),
+        "mlp.up_proj": (inter, hidden),
+        "mlp.down_proj": (hidden, inter),
+    }
+    for layer in range(layers):
+        p = f"model.layers.{layer}."
+        state[p + "input_layernorm.weight"] = torch.ones(hidden)
+        state[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
+        for name, shape in shapes.items():
+            state[p + name + ".weight"] = torch.randn(*shape, generator=gen) / shape[1] ** 0.5
+    config = dict(
+        model_type="llama",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    for f in tokenizer.iterdir():
+        shutil.copy(f, folder / f.name)
+    return folder
