@@ -7,7 +7,11 @@ of a whole decode layer. Run on a CUDA machine: `PYTHONPATH=. python3 bench/engi
     batch 64, rank 16: 64 distinct adapters, 1 adapter, 8 adapters x 8 tokens, and gather + bmm.
 (c) mixed ranks {8, 16, 32, 64} in one rank-64 stack against uniform rank 16, at equal adapter bytes.
 (b) one decoder layer's decode step (KV length 512, SDPA, CUDA graph; eager separately): no LoRA,
-    1 adapter, 64 distinct adapters, next to the bandwidth bound base_bytes / (base_bytes + adapter_bytes).
+    1 adapter, 64 distinct adapters, next to the bandwidth bound base_bytes / (base_bytes + adapter_bytes);
+    with the current kernels and with the best latency variant of (l).
+(l) latency options of the separate kernels (`engine.kernels_triton`): current, +PDL (programmatic dependent
+    launch), +short chain, +both, per mix and chunk height, as ratios to current. `--pdl-only` runs just (l)
+    and (b) (a few minutes on an H200, most of it compiling).
 Every figure is a ratio measured side by side in this run, after a correctness check against the torch
 reference; the summary comes last. Times are medians of `triton.testing.do_bench` (L2 flushed per call).
 """
@@ -16,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +40,7 @@ HIDDEN, INTER, HEADS, HEAD_DIM, KV_LEN, BATCH, RANK, SLOTS = 4096, 11008, 32, 12
 DTYPE = torch.bfloat16
 DEV = torch.device("cuda")
 SUMMARY: list[str] = []
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +71,15 @@ class LayerLoRA:
     xs: dict[str, torch.Tensor] = field(default_factory=dict)
     ys: dict[str, torch.Tensor] = field(default_factory=dict)
     h: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # fp32 [projections, T, max L*R]
+    cpu: dict[str, torch.Tensor] = field(default_factory=dict)  # host copies for the reference, made once
 
     def h_of(self, index: int, lr: int) -> torch.Tensor:
         return self.h[index, :, :lr]
+
+    def on_host(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        if key not in self.cpu:
+            self.cpu[key] = tensor.cpu()
+        return self.cpu[key]
 
 
 def make_lora(slot_ranks: Sequence[int], max_rank: int) -> LayerLoRA:
@@ -96,19 +109,35 @@ def activation_bytes() -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class Variant:
+    """Latency options of the separate kernels (`engine.kernels_triton`), passed explicitly to every launch."""
+
+    name: str
+    pdl: bool = False
+    short_chain: bool = False
+
+
+CURRENT = Variant("current")
+VARIANTS = (CURRENT, Variant("+pdl", pdl=True), Variant("+short", short_chain=True), Variant("+both", True, True))
+
+
+@dataclass(frozen=True, slots=True)
 class Configs:
     shrink: kt.ShrinkConfig = field(default_factory=kt.ShrinkConfig)
     expand: kt.ExpandConfig = field(default_factory=kt.ExpandConfig)
+    variant: Variant = CURRENT
 
 
 def lora_triton(lora: LayerLoRA, plan: kt.SegmentPlan, cfg: Configs, shrink: bool = True, expand: bool = True) -> None:
     """The layer's 4 shrink + 4 expand launches (and the h memset); either half alone for the sweep."""
     if shrink:
         lora.h.zero_()
+    options = {"pdl": cfg.variant.pdl, "short_chain": cfg.variant.short_chain}
     for i, p in enumerate(PROJS):
         h = lora.h_of(i, lora.a[p.name].shape[1])
         if shrink:
-            kt.shrink(lora.xs[p.name], lora.a[p.name], lora.ranks, plan, h, num_slices=len(p.slices), config=cfg.shrink)
+            x, a = lora.xs[p.name], lora.a[p.name]
+            kt.shrink(x, a, lora.ranks, plan, h, num_slices=len(p.slices), config=cfg.shrink, **options)
         if expand:
             kt.expand(
                 lora.ys[p.name],
@@ -119,6 +148,7 @@ def lora_triton(lora: LayerLoRA, plan: kt.SegmentPlan, cfg: Configs, shrink: boo
                 plan,
                 slice_sizes=p.slices,
                 config=cfg.expand,
+                **options,
             )
 
 
@@ -215,14 +245,14 @@ def check_lora(lora: LayerLoRA, token_slots: list[int], run: Callable[[], None],
     slots = torch.tensor(token_slots, dtype=torch.int32)
     worst = 0.0
     for p in PROJS:
-        want = saved[p.name].cpu()
+        want = saved[p.name].to("cpu", copy=True)
         kernels.lora_apply_reference(
             want,
-            lora.xs[p.name].cpu(),
-            lora.a[p.name].cpu(),
-            lora.b[p.name].cpu(),
-            lora.ranks.cpu(),
-            lora.scalings.cpu(),
+            lora.on_host(f"x {p.name}", lora.xs[p.name]),
+            lora.on_host(f"a {p.name}", lora.a[p.name]),
+            lora.on_host(f"b {p.name}", lora.b[p.name]),
+            lora.on_host("ranks", lora.ranks),
+            lora.on_host("scalings", lora.scalings),
             slots,
             p.slices,
         )
@@ -240,7 +270,8 @@ def check_lora(lora: LayerLoRA, token_slots: list[int], run: Callable[[], None],
         raise AssertionError(f"{label} disagrees with the reference")
 
 
-def graph_of(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+def capture(fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """A CUDA graph of `fn` (run twice first, to compile outside the capture) and its captured result."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -249,8 +280,12 @@ def graph_of(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return graph
+        out = fn()
+    return graph, out
+
+
+def graph_of(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    return capture(fn)[0]
 
 
 def median_us(fn: Callable[[], object], quick: bool) -> float:
@@ -288,12 +323,15 @@ class LayerStack:
     def use(self, token_slots: list[int]) -> None:
         self.plan.copy_(kt.plan_segments(token_slots, DEV, block_m=self.block_m, num_chunks=self.capacity))
 
-    def per_layer_us(self, fn: Callable[[LayerLoRA], None], quick: bool) -> float:
+    def graph(self, fn: Callable[[LayerLoRA], None]) -> torch.cuda.CUDAGraph:
         def all_layers() -> None:
             for lora in self.loras:
                 fn(lora)
 
-        return median_us(graph_of(all_layers).replay, quick) / len(self.loras)
+        return graph_of(all_layers)
+
+    def per_layer_us(self, fn: Callable[[LayerLoRA], None], quick: bool) -> float:
+        return median_us(self.graph(fn).replay, quick) / len(self.loras)
 
 
 def section_kernels(args: argparse.Namespace, bw: float) -> dict[int, kt.FusedConfig]:
@@ -354,6 +392,56 @@ def section_kernels(args: argparse.Namespace, bw: float) -> dict[int, kt.FusedCo
     for block_m, fcfg in chosen.items():
         SUMMARY.append(f"(a) best fused shape over all three mixes, chunks of {block_m:2d}: {fcfg}")
     return chosen
+
+
+def section_latency(args: argparse.Namespace, bw: float) -> dict[int, Variant]:
+    """(l) the separate kernels with each latency option, per chunk height, side by side; each variant is
+    checked eagerly and again replayed from its CUDA graph before it is timed. Returns the best variant per
+    chunk height (by its worst ratio to the targets, as for the fused shapes)."""
+    print("\n(l) latency options, LoRA per layer (us), decode batch 64, rank 16, 7 projections; ratio to current")
+    layers = 2 if args.quick else 4
+    scen = scenario_slots()
+    best: dict[int, Variant] = {}
+    for block_m in (1, 16):
+        stack = LayerStack([RANK] * SLOTS, RANK, layers, block_m)
+        times: dict[str, dict[str, float]] = {}
+        for variant in VARIANTS:
+            cfg = replace(Configs(*kt.default_configs(block_m)), variant=variant)
+            times[variant.name] = dict.fromkeys(scen, math.nan)
+            try:
+                graph = stack.graph(partial(_run, plan=stack.plan, cfg=cfg))
+            except Exception as exc:  # a variant that cannot be captured is reported, not fatal
+                print(f"  chunks of {block_m:2d} {variant.name}: graph capture failed, skipped: {exc!r}")
+                continue
+            for name, slots in scen.items():
+                stack.use(slots)
+                label = f"{name} m{block_m} {variant.name}"
+                check_lora(stack.loras[0], slots, partial(_run, stack.loras[0], plan=stack.plan, cfg=cfg), label)
+                check_lora(stack.loras[0], slots, graph.replay, label + " (graph)")
+                times[variant.name][name] = median_us(graph.replay, args.quick) / layers
+            del graph
+        current = times[CURRENT.name]
+        print(f"  chunks of {block_m:2d}  " + "".join(f"{name:>12s}        " for name in scen))
+        for variant in VARIANTS:
+            row = times[variant.name]
+            cells = "".join(f"{row[n]:12.1f} {f'x{row[n] / current[n]:.2f}':7s}" for n in scen)
+            print(f"    {variant.name:10s}  {cells}")
+        floors = {n: (len(set(sl)) * adapter_bytes(RANK) + activation_bytes()) / bw * 1e6 for n, sl in scen.items()}
+        print("    HBM floor   " + "".join(f"{floors[n]:12.1f}        " for n in scen))
+        print("    target      " + "".join(f"{TARGETS[n]:12.1f}        " for n in scen))
+        scored = [(max(times[v.name][n] / TARGETS[n] for n in scen), v) for v in VARIANTS]
+        ok = [item for item in scored if not math.isnan(item[0])]
+        best[block_m] = min(ok, key=lambda item: item[0])[1] if ok else CURRENT
+        for variant in VARIANTS:
+            row = times[variant.name]
+            SUMMARY.append(
+                f"(l) chunks of {block_m:2d}, {variant.name:8s}: "
+                + ", ".join(f"{n} {row[n]:6.1f} us (x{row[n] / current[n]:.2f})" for n in scen)
+            )
+        SUMMARY.append(f"(l) chunks of {block_m:2d}: best variant over all three mixes {best[block_m].name}")
+        del stack
+        torch.cuda.empty_cache()
+    return best
 
 
 def sweep(stack: LayerStack, scen: dict[str, list[int]], quick: bool) -> Configs:
@@ -468,7 +556,8 @@ class DecodeLayer:
         return x + proj("down", F.silu(gate) * up)
 
 
-def section_decode_layer(args: argparse.Namespace, configs: dict[int, Configs]) -> None:
+def section_decode_layer(args: argparse.Namespace, runs: Sequence[tuple[int, Configs]]) -> None:
+    """(b) for each (chunk height, kernel configs and latency variant) in `runs`."""
     print("\n(b) one Llama-7B decoder layer, decode step: batch 64, KV length 512, SDPA")
     layer = DecodeLayer()
     lora = make_lora([RANK] * SLOTS, RANK)
@@ -483,9 +572,10 @@ def section_decode_layer(args: argparse.Namespace, configs: dict[int, Configs]) 
     base = (median_us(graph_of(base_step).replay, args.quick), median_us(base_step, args.quick))
     print(f"  no LoRA                  graph {base[0]:7.1f} us   eager {base[1]:7.1f} us")
     base_bytes = layer.base_bytes()
-    for block_m, cfg in configs.items():
+    for block_m, cfg in runs:
         capacity = kt.chunk_capacity(BATCH, SLOTS, block_m)
         plan = kt.plan_segments(list(range(BATCH)), DEV, block_m=block_m, num_chunks=capacity)
+        tag = f"chunks of {block_m:2d} {cfg.variant.name:8s}"
 
         def triton_lora(
             name: str, x: torch.Tensor, y: torch.Tensor, plan: kt.SegmentPlan = plan, cfg: Configs = cfg
@@ -493,29 +583,40 @@ def section_decode_layer(args: argparse.Namespace, configs: dict[int, Configs]) 
             if index[name] == 0:
                 lora.h.zero_()  # the layer's one memset, before its first projection
             h = lora.h_of(index[name], lora.a[name].shape[1])
-            kt.shrink(x, lora.a[name], lora.ranks, plan, h, num_slices=len(slices[name]), config=cfg.shrink)
-            kt.expand(y, h, lora.b[name], lora.ranks, lora.scalings, plan, slice_sizes=slices[name], config=cfg.expand)
+            sl, opts = slices[name], {"pdl": cfg.variant.pdl, "short_chain": cfg.variant.short_chain}
+            kt.shrink(x, lora.a[name], lora.ranks, plan, h, num_slices=len(sl), config=cfg.shrink, **opts)
+            kt.expand(y, h, lora.b[name], lora.ranks, lora.scalings, plan, slice_sizes=sl, config=cfg.expand, **opts)
 
-        def lora_step(triton_lora: Callable[[str, torch.Tensor, torch.Tensor], None] = triton_lora) -> None:
-            layer.step(triton_lora)
+        def lora_step(triton_lora: Callable[[str, torch.Tensor, torch.Tensor], None] = triton_lora) -> torch.Tensor:
+            return layer.step(triton_lora)
 
+        wants: dict[str, torch.Tensor] = {}
         for name in ("1 adapter", "64 distinct"):
             plan.copy_(kt.plan_segments(scen[name], DEV, block_m=block_m, num_chunks=capacity))
             got = layer.step(triton_lora)
             slots = torch.tensor(scen[name], dtype=torch.int32, device=DEV)
-            want = layer.step(partial(grouped_lora_hook, lora=lora, slots=slots))
-            err = float((got - want).double().norm() / (want - base_out).double().norm())
-            print(f"  check layer, {name}, chunks of {block_m}: rel err of the LoRA effect {err:.2e}")
+            wants[name] = layer.step(partial(grouped_lora_hook, lora=lora, slots=slots))
+            err = float((got - wants[name]).double().norm() / (wants[name] - base_out).double().norm())
+            print(f"  check layer, {name}, {tag}: rel err of the LoRA effect {err:.2e}")
             if err > 3e-2:
                 raise AssertionError("decode layer with LoRA disagrees with the torch path")
-        graph = graph_of(lora_step)
+        try:
+            graph, graph_out = capture(lora_step)
+        except Exception as exc:  # e.g. PDL refused under capture: report, keep measuring the rest
+            print(f"  {tag}: graph capture failed, skipped: {exc!r}")
+            continue
         for name, distinct in (("1 adapter", 1), ("64 distinct", SLOTS)):
             plan.copy_(kt.plan_segments(scen[name], DEV, block_m=block_m, num_chunks=capacity))
+            graph.replay()
+            err = float((graph_out - wants[name]).double().norm() / (wants[name] - base_out).double().norm())
+            print(f"  check layer graph replay, {name}, {tag}: rel err of the LoRA effect {err:.2e}")
+            if err > 3e-2:
+                raise AssertionError("decode layer graph with LoRA disagrees with the torch path")
             t = (median_us(graph.replay, args.quick), median_us(lora_step, args.quick))
-            print(f"  {name:12s} chunks of {block_m:2d} graph {t[0]:7.1f} us   eager {t[1]:7.1f} us")
+            print(f"  {name:12s} {tag} graph {t[0]:7.1f} us   eager {t[1]:7.1f} us")
             bound = base_bytes / (base_bytes + distinct * adapter_bytes(RANK))
             SUMMARY.append(
-                f"(b) layer, {name:11s}, chunks of {block_m:2d}: graph {t[0]:6.1f} us vs no LoRA {base[0]:6.1f} us: "
+                f"(b) layer, {name:11s}, {tag}: graph {t[0]:6.1f} us vs no LoRA {base[0]:6.1f} us: "
                 f"throughput x{base[0] / t[0]:.3f} (bandwidth bound x{bound:.3f}); eager {t[1]:.1f} vs {base[1]:.1f} us"
             )
 
@@ -528,8 +629,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer layers and repeats")
     parser.add_argument("--sweep", action="store_true", help="try kernel configurations first, use the best")
-    parser.add_argument("--only", default="abc", help="sections to run, e.g. 'ab'")
+    parser.add_argument("--only", default="albc", help="sections to run, e.g. 'ab'")
+    parser.add_argument("--pdl-only", action="store_true", help="only (l), the latency options, and then (b)")
     args = parser.parse_args()
+    if args.pdl_only:
+        args.only = "lb"
     props = torch.cuda.get_device_properties(DEV)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
     bw = copy_bandwidth()
@@ -546,6 +650,14 @@ def main() -> None:
         except Exception:
             traceback.print_exc()
             failed = True
+    # (b) runs the current kernels and the best latency variant of (l) (+both when (l) does not run).
+    best = {block_m: VARIANTS[-1] for block_m in configs}
+    if "l" in args.only:
+        try:
+            best = section_latency(args, bw)
+        except Exception:
+            traceback.print_exc()
+            failed = True
     if "c" in args.only:
         try:
             section_mixed(args, configs, bw)
@@ -553,8 +665,10 @@ def main() -> None:
             traceback.print_exc()
             failed = True
     if "b" in args.only:
+        runs = [(m, cfg) for m, cfg in configs.items()]
+        runs += [(m, replace(configs[m], variant=v)) for m, v in best.items() if v != CURRENT]
         try:
-            section_decode_layer(args, configs)
+            section_decode_layer(args, runs)
         except Exception:
             traceback.print_exc()
             failed = True

@@ -190,18 +190,22 @@ def lora_shrink(
     *,
     num_slices: int = 1,
     plan: SegmentPlan | None = None,
+    pdl: bool | None = None,
+    short_chain: bool | None = None,
 ) -> torch.Tensor:
     """h[T, L*R] = A[slot(t)] @ x[t] (zero for slot -1 and past each rank), in x's dtype.
 
     On CUDA pass `plan` (`kernels_triton.plan_segments`, built once per step) to avoid reading
-    `token_slots` back to the host.
+    `token_slots` back to the host. `pdl` / `short_chain`: the kernels' latency options (see
+    `engine.kernels_triton`; None = its defaults); the CPU path has no use for them.
     """
     if not x.is_cuda:
         return _shrink_grouped(x, a_stack, ranks, token_slots, num_slices)
     from engine import kernels_triton as kt
 
     h = torch.zeros(x.shape[0], a_stack.shape[1], dtype=torch.float32, device=x.device)
-    kt.shrink(x, a_stack, ranks, _plan(token_slots, x.device, plan), h, num_slices=num_slices)
+    plan = _plan(token_slots, x.device, plan)
+    kt.shrink(x, a_stack, ranks, plan, h, num_slices=num_slices, pdl=pdl, short_chain=short_chain)
     return h.to(x.dtype)
 
 
@@ -215,15 +219,20 @@ def lora_expand(
     *,
     slice_sizes: Sequence[int] | None = None,
     plan: SegmentPlan | None = None,
+    pdl: bool | None = None,
+    short_chain: bool | None = None,
 ) -> None:
-    """y[t] += scaling * B[slot(t)][:, :rank] @ h[t, :rank] in place, per slice; slot -1 rows untouched."""
+    """y[t] += scaling * B[slot(t)][:, :rank] @ h[t, :rank] in place, per slice; slot -1 rows untouched.
+
+    `plan`, `pdl` and `short_chain` as in `lora_shrink`.
+    """
     if not y.is_cuda:
         _expand_grouped(y, h, b_stack, ranks, scalings, token_slots, slice_sizes)
         return
     from engine import kernels_triton as kt
 
     plan = _plan(token_slots, y.device, plan)
-    kt.expand(y, h, b_stack, ranks, scalings, plan, slice_sizes=slice_sizes)
+    kt.expand(y, h, b_stack, ranks, scalings, plan, slice_sizes=slice_sizes, pdl=pdl, short_chain=short_chain)
 
 
 def lora_apply(
@@ -239,13 +248,16 @@ def lora_apply(
     plan: SegmentPlan | None = None,
     h: torch.Tensor | None = None,
     fused: bool = False,
+    pdl: bool | None = None,
+    short_chain: bool | None = None,
 ) -> None:
     """shrink then expand (y += scaling * B @ (A @ x), per token's slot and per slice), in place.
 
     On CUDA this runs the separate shrink and expand kernels, h kept fp32 between them; pass `h`
     (fp32 [T, L*R], zeroed) to reuse a workspace. `fused=True` runs `kernels_triton.fused` instead (one
     launch, h recomputed per program and kept in registers): correct, but 1.2-1.4x slower at Llama-7B
-    decode shapes on an H200 (bench/RESULTS-gpu.md), hence not the default.
+    decode shapes on an H200 (bench/RESULTS-gpu.md), hence not the default. `pdl` / `short_chain` pick the
+    separate kernels' latency options (`engine.kernels_triton`; None = its defaults).
     """
     bounds = _slice_bounds(b_stack, slice_sizes)
     if not x.is_cuda:
@@ -263,5 +275,5 @@ def lora_apply(
         return
     if h is None:
         h = torch.zeros(x.shape[0], a_stack.shape[1], dtype=torch.float32, device=x.device)
-    kt.shrink(x, a_stack, ranks, plan, h, num_slices=len(bounds))
-    kt.expand(y, h, b_stack, ranks, scalings, plan, slice_sizes=slice_sizes)
+    kt.shrink(x, a_stack, ranks, plan, h, num_slices=len(bounds), pdl=pdl, short_chain=short_chain)
+    kt.expand(y, h, b_stack, ranks, scalings, plan, slice_sizes=slice_sizes, pdl=pdl, short_chain=short_chain)

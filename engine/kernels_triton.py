@@ -30,6 +30,18 @@ Weights past a slot's rank are never loaded (masked, and whole rank blocks of th
 a batch of mixed ranks costs its true bytes, not every adapter padded to the stack's R. Tokens with slot -1
 are in no chunk: their h rows stay zero and their y rows untouched. The torch definitions live in
 `engine.kernels`.
+
+Latency: at decode sizes a program spends most of its time waiting on a chain of dependent loads (chunk
+count -> chunk row -> rank, first token -> x / weights) and on the previous launch. Two options cut it, each
+a keyword of `shrink` / `expand` (and `kernels.lora_apply`), compared by `bench/engine_gpu.py --pdl-only`:
+- `pdl` (programmatic dependent launch, Hopper and later): the kernel is launched while the previous one in
+  the stream finishes, and reads everything no kernel of the step writes (plan, ranks, scalings, the first
+  weight tile) before `gdc_wait`, the activations (x; h and y) only after it. Sound because plan, ranks,
+  scalings and the stacks are written by host copies or adapter loads, never by the kernel just before.
+  The interpreter runs the same load order without the wait (it has no griddepcontrol); pre-Hopper GPUs
+  ignore the option.
+- `short_chain`: the chunk row carries its first token, so per-token programs need no `token_order` load,
+  and token and activation loads are issued before the rank arrives instead of after it.
 """
 
 from __future__ import annotations
@@ -44,18 +56,25 @@ import triton.language as tl
 
 MAX_SLICES = 4
 
+# Defaults of the latency options (module docstring) where a caller passes None; flip them once
+# bench/engine_gpu.py --pdl-only has shown them paying on the GPU served.
+PDL_BY_DEFAULT = False
+SHORT_CHAIN_BY_DEFAULT = False
+
 
 @dataclass(frozen=True, slots=True)
 class SegmentPlan:
     """Tokens grouped by slot and cut into chunks of <= `block_m` tokens; shared by every layer of a step.
 
     Chunk c covers `token_order[chunks[c, 1] : chunks[c, 1] + chunks[c, 2]]`, all using slot
-    `chunks[c, 0]`; the first `num_real[0]` chunks are real. The plan holds `num_chunks` rows whatever the
-    batch, so a CUDA graph captured with it replays any batch whose plan fits, after `copy_`.
+    `chunks[c, 0]`; `chunks[c, 3]` is its first token (`token_order[chunks[c, 1]]`, so a one-token chunk
+    needs no second lookup). The first `num_real[0]` chunks are real; padding rows are all zero. The plan
+    holds `num_chunks` rows whatever the batch, so a CUDA graph captured with it replays any batch whose
+    plan fits, after `copy_`.
     """
 
     token_order: torch.Tensor  # int32 [T]
-    chunks: torch.Tensor  # int32 [num_chunks, 3]: slot, start in token_order, length
+    chunks: torch.Tensor  # int32 [num_chunks, 4]: slot, start in token_order, length, first token
     num_real: torch.Tensor  # int32 [1]
     block_m: int
     num_tokens: int
@@ -103,20 +122,20 @@ def plan_segments(
         if s >= 0:
             groups.setdefault(int(s), []).append(t)
     order: list[int] = []
-    chunks: list[tuple[int, int, int]] = []
+    chunks: list[tuple[int, int, int, int]] = []
     for s, tokens in groups.items():
         for begin in range(0, len(tokens), block_m):
             piece = tokens[begin : begin + block_m]
-            chunks.append((s, len(order), len(piece)))
+            chunks.append((s, len(order), len(piece), piece[0]))
             order.extend(piece)
     real = len(chunks)
     total = max(real, 1) if num_chunks is None else num_chunks
     if real > total:
         raise ValueError(f"batch needs {real} chunks, plan holds {total}")
     order.extend([0] * (len(slots) - len(order)))  # -1 tokens: never referenced by a chunk
-    chunks.extend([(0, 0, 0)] * (total - real))
+    chunks.extend([(0, 0, 0, 0)] * (total - real))
 
-    def upload(values: list[int] | list[tuple[int, int, int]]) -> torch.Tensor:
+    def upload(values: list[int] | list[tuple[int, int, int, int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
 
     return SegmentPlan(
@@ -167,6 +186,46 @@ def _sm_count(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
+@cache
+def _compute_capability(device: torch.device) -> int:
+    major, _ = torch.cuda.get_device_capability(device)
+    return major
+
+
+def pdl_supported(device: torch.device | str) -> bool:
+    """Programmatic dependent launch needs a compiled (not interpreted) kernel on a Hopper or later GPU."""
+    device = torch.device(device)
+    return device.type == "cuda" and not triton.knobs.runtime.interpret and _compute_capability(device) >= 9
+
+
+def pdl_default(device: torch.device | str) -> bool:
+    """Whether kernels launch with PDL when the caller passes `pdl=None`."""
+    return PDL_BY_DEFAULT and pdl_supported(device)
+
+
+@dataclass(frozen=True, slots=True)
+class _Latency:
+    """Resolved latency options of one launch: the kernels' constexprs and triton's launch keywords."""
+
+    pdl_order: bool  # weights before the wait (USE_PDL); the interpreter runs this order without the wait
+    gdc: bool  # emit griddepcontrol and launch with PDL (GDC)
+    short_chain: bool  # SHORT_CHAIN
+
+    def launch(self) -> dict[str, bool]:
+        # Only passed when set: the interpreter drops unknown launch keywords anyway.
+        return {"launch_pdl": True} if self.gdc else {}
+
+
+def _latency(device: torch.device, pdl: bool | None, short_chain: bool | None) -> _Latency:
+    # PDL asked for where it cannot run is dropped (pre-Hopper GPUs): same results, no overlap. The interpreter
+    # keeps its load order, so CPU tests cover that code, but has no griddepcontrol to emit.
+    interpret = bool(triton.knobs.runtime.interpret)
+    asked = pdl_default(device) if pdl is None else pdl
+    order = asked and (interpret or pdl_supported(device))
+    short = SHORT_CHAIN_BY_DEFAULT if short_chain is None else short_chain
+    return _Latency(pdl_order=order, gdc=order and not interpret, short_chain=short)
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 callers expect fp32 results; tf32 would cost them ~3 decimal digits.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -182,6 +241,38 @@ def _share(pid: tl.tensor, num_programs: tl.tensor, units: tl.tensor, parts: tl.
     """Programs per work unit (<= parts), the unit of `pid` and its part; spare programs get unit >= units."""
     per_unit = tl.minimum(tl.maximum(num_programs // tl.maximum(units, 1), 1), parts)
     return per_unit, pid // per_unit, pid % per_unit
+
+
+@triton.jit
+def _chunk_row(chunks_ptr: tl.tensor, chunk: tl.tensor) -> tuple:
+    """Slot, start in token_order, length and first token of a chunk (`SegmentPlan.chunks`): 4 loads at once."""
+    row = chunks_ptr + chunk * 4
+    return tl.load(row).to(tl.int64), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3).to(tl.int64)
+
+
+@triton.jit
+def _await_previous(GDC: tl.constexpr) -> None:
+    """With PDL: wait until the previous kernel in the stream has finished and its writes are visible, then
+    let the next one start its prologue (it waits likewise before reading what this one writes)."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _exit_in_order(GDC: tl.constexpr) -> None:
+    """Before a program returns early: with PDL, program 0 waits for the previous kernel all the same. A kernel
+    none of whose programs waited could finish before its predecessor, and whatever follows it in the stream
+    (waiting for it alone) could then read that predecessor's output too early."""
+    if GDC:
+        if tl.program_id(0) == 0:
+            tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _row_dots(at: tl.tensor, xt: tl.tensor) -> tl.tensor:
+    """at[r, :] . xt in fp32, per row r."""
+    return tl.sum(at.to(tl.float32) * xt.to(tl.float32)[None, :], axis=1)
 
 
 @triton.jit
@@ -208,45 +299,73 @@ def _shrink_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    GDC: tl.constexpr,
+    SHORT_CHAIN: tl.constexpr,
 ) -> None:
     # Work unit = (chunk, rank block); its programs split K. K_ITERS bounds the blocks of one split.
     num_real = tl.load(num_real_ptr)
     splits, unit, split = _share(tl.program_id(0), tl.num_programs(0), num_real * R_BLOCKS, K_BLOCKS)
     chunk = unit // R_BLOCKS
     if chunk >= num_real:
+        _exit_in_order(GDC)
         return
-    slot = tl.load(chunks_ptr + chunk * 3).to(tl.int64)
-    start = tl.load(chunks_ptr + chunk * 3 + 1)
-    length = tl.load(chunks_ptr + chunk * 3 + 2)
+    slot, start, length, first_tok = _chunk_row(chunks_ptr, chunk)
     rank = tl.load(ranks_ptr + slot)
-    rows = (unit % R_BLOCKS) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = (rows < LR) & ((rows % r_slice) < rank)
-    if tl.max(row_ok.to(tl.int32), axis=0) == 0:
-        return  # this rank block lies wholly past the slot's rank
     blocks_per_split = tl.cdiv(K_BLOCKS, splits)
     k_begin = split * blocks_per_split * BLOCK_K
     k_stop = tl.minimum(k_begin + blocks_per_split * BLOCK_K, K)
+    offs_k0 = k_begin + tl.arange(0, BLOCK_K)
+    k0_ok = offs_k0 < k_stop
+    offs_m = tl.arange(0, BLOCK_M)
+    tok_ok = offs_m < length
+    if SHORT_CHAIN:  # token loads need only the chunk row: in flight while the rank arrives
+        if BLOCK_M == 1:
+            if not USE_PDL:
+                xt_1 = tl.load(x_ptr + first_tok * stride_xt + offs_k0, mask=k0_ok, other=0.0)
+        else:
+            tok_m = tl.load(order_ptr + start + offs_m, mask=tok_ok, other=0).to(tl.int64)
+    rows = (unit % R_BLOCKS) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = (rows < LR) & ((rows % r_slice) < rank)
+    if tl.max(row_ok.to(tl.int32), axis=0) == 0:
+        _exit_in_order(GDC)
+        return  # this rank block lies wholly past the slot's rank
     a_rows = a_ptr + slot * stride_as + rows[:, None].to(tl.int64) * stride_ar
+    # The first K block may run ahead of the loop: its A tile is read before the previous kernel has
+    # finished (PDL), or its x was read before the rank arrived (short chain).
+    PEELED: tl.constexpr = 1 if USE_PDL or (SHORT_CHAIN and BLOCK_M == 1) else 0
     # Compile-time trip counts: triton's interpreter cannot loop to a run-time bound under numpy >= 2.4;
     # blocks past this split's range are masked off (they move no bytes).
     if BLOCK_M == 1:
         # One token: a plain dot product per row, no tensor-core tile padded to 16 tokens.
-        tok = tl.load(order_ptr + start).to(tl.int64)
+        tok = first_tok if SHORT_CHAIN else tl.load(order_ptr + start).to(tl.int64)
         acc_1 = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for i in range(K_ITERS):
+        if PEELED:
+            at_1 = tl.load(a_rows + offs_k0[None, :], mask=row_ok[:, None] & k0_ok[None, :], other=0.0)
+            _await_previous(GDC)
+            if USE_PDL:
+                xt_1 = tl.load(x_ptr + tok * stride_xt + offs_k0, mask=k0_ok, other=0.0)
+            acc_1 += _row_dots(at_1, xt_1)
+        for i in range(PEELED, K_ITERS):
             offs_k = k_begin + i * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k_stop
-            xt = tl.load(x_ptr + tok * stride_xt + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            xt = tl.load(x_ptr + tok * stride_xt + offs_k, mask=k_ok, other=0.0)
             at = tl.load(a_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            acc_1 += tl.sum(at.to(tl.float32) * xt[None, :], axis=1)
+            acc_1 += _row_dots(at, xt)
         tl.atomic_add(h_ptr + tok * stride_ht + rows, acc_1, mask=row_ok, sem="relaxed")
     else:
-        offs_m = tl.arange(0, BLOCK_M)
-        tok_ok = offs_m < length
-        tok_m = tl.load(order_ptr + start + offs_m, mask=tok_ok, other=0).to(tl.int64)
+        if not SHORT_CHAIN:
+            tok_m = tl.load(order_ptr + start + offs_m, mask=tok_ok, other=0).to(tl.int64)
         x_rows = x_ptr + tok_m[:, None] * stride_xt
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for i in range(K_ITERS):
+        if PEELED:
+            at0 = tl.load(a_rows + offs_k0[None, :], mask=row_ok[:, None] & k0_ok[None, :], other=0.0)
+            _await_previous(GDC)
+            xt0 = tl.load(x_rows + offs_k0[None, :], mask=tok_ok[:, None] & k0_ok[None, :], other=0.0)
+            if UPCAST:
+                xt0, at0 = xt0.to(tl.float32), at0.to(tl.float32)
+            acc = tl.dot(xt0, tl.trans(at0), acc, input_precision=PRECISION)
+        for i in range(PEELED, K_ITERS):
             offs_k = k_begin + i * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k_stop
             xt = tl.load(x_rows + offs_k[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0.0)
@@ -285,6 +404,9 @@ def _expand_kernel(
     BLOCK_R: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    GDC: tl.constexpr,
+    SHORT_CHAIN: tl.constexpr,
 ) -> None:
     # Work unit = (chunk, slice); its programs split the slice's column tiles, N_ITERS at most each.
     num_real = tl.load(num_real_ptr)
@@ -295,44 +417,73 @@ def _expand_kernel(
     n_size = tl.where(sl == 0, n0, tl.where(sl == 1, n1, tl.where(sl == 2, n2, n3)))
     n_begin = part * tiles_per_part * BLOCK_N
     if (chunk >= num_real) | (n_begin >= n_size):
+        _exit_in_order(GDC)
         return
     n_start = tl.where(sl > 0, n0, 0) + tl.where(sl > 1, n1, 0) + tl.where(sl > 2, n2, 0)
     n_stop = tl.minimum(n_begin + tiles_per_part * BLOCK_N, n_size)
-    slot = tl.load(chunks_ptr + chunk * 3).to(tl.int64)
-    start = tl.load(chunks_ptr + chunk * 3 + 1)
-    length = tl.load(chunks_ptr + chunk * 3 + 2)
+    slot, start, length, first_tok = _chunk_row(chunks_ptr, chunk)
     rank = tl.load(ranks_ptr + slot)
+    offs_n0 = n_begin + tl.arange(0, BLOCK_N)
+    n0_ok = offs_n0 < n_stop
+    cols0 = (n_start + offs_n0).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    tok_ok = offs_m < length
+    if SHORT_CHAIN:  # loads that need only the chunk row: in flight while the rank arrives
+        scale = tl.load(scalings_ptr + slot)
+        if BLOCK_M != 1:
+            tok_m = tl.load(order_ptr + start + offs_m, mask=tok_ok, other=0).to(tl.int64)
     if rank == 0:
+        _exit_in_order(GDC)
         return
-    scale = tl.load(scalings_ptr + slot)
+    if not SHORT_CHAIN:
+        scale = tl.load(scalings_ptr + slot)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     b_base = b_ptr + slot * stride_bs + offs_r[None, :]
+    # With PDL the first column tile runs ahead of the loop: its B tile is read before the previous kernel
+    # has finished. (Reading its y before the rank arrives, for the short chain, cost 165 registers against 96.)
+    PEELED: tl.constexpr = 1 if USE_PDL else 0
     if BLOCK_M == 1:
         # One token: a plain matrix-vector product, no tensor-core tile padded to 16 tokens.
-        tok = tl.load(order_ptr + start).to(tl.int64)
+        tok = first_tok if SHORT_CHAIN else tl.load(order_ptr + start).to(tl.int64)
+        y_1 = y_ptr + tok * stride_yt
+        if PEELED:
+            bt0 = tl.load(b_base + cols0[:, None] * stride_bn, mask=n0_ok[:, None] & r_ok[None, :], other=0.0)
+            _await_previous(GDC)
         h_1 = tl.load(h_ptr + tok * stride_ht + sl * R_SLICE + offs_r, mask=r_ok, other=0.0)
         h_1 = h_1.to(b_ptr.dtype.element_ty).to(tl.float32)  # rounded as the reference rounds h
-        for i in range(N_ITERS):
+        if PEELED:
+            old0_1 = tl.load(y_1 + cols0, mask=n0_ok, other=0.0)
+            delta0_1 = _row_dots(bt0, h_1)
+            tl.store(y_1 + cols0, (old0_1.to(tl.float32) + scale * delta0_1).to(old0_1.dtype), mask=n0_ok)
+        for i in range(PEELED, N_ITERS):
             offs_n = n_begin + i * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < n_stop
             cols = (n_start + offs_n).to(tl.int64)
             bt = tl.load(b_base + cols[:, None] * stride_bn, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-            delta_1 = tl.sum(bt.to(tl.float32) * h_1[None, :], axis=1)
-            y_1 = y_ptr + tok * stride_yt + cols
-            old_1 = tl.load(y_1, mask=n_ok, other=0.0)
-            tl.store(y_1, (old_1.to(tl.float32) + scale * delta_1).to(old_1.dtype), mask=n_ok)
+            delta_1 = _row_dots(bt, h_1)
+            old_1 = tl.load(y_1 + cols, mask=n_ok, other=0.0)
+            tl.store(y_1 + cols, (old_1.to(tl.float32) + scale * delta_1).to(old_1.dtype), mask=n_ok)
     else:
-        offs_m = tl.arange(0, BLOCK_M)
-        tok_ok = offs_m < length
-        tok_m = tl.load(order_ptr + start + offs_m, mask=tok_ok, other=0).to(tl.int64)
+        if not SHORT_CHAIN:
+            tok_m = tl.load(order_ptr + start + offs_m, mask=tok_ok, other=0).to(tl.int64)
+        if PEELED:
+            bt0 = tl.load(b_base + cols0[:, None] * stride_bn, mask=n0_ok[:, None] & r_ok[None, :], other=0.0)
+            _await_previous(GDC)
         h_mask = tok_ok[:, None] & r_ok[None, :]
         h = tl.load(h_ptr + tok_m[:, None] * stride_ht + sl * R_SLICE + offs_r[None, :], mask=h_mask, other=0.0)
         h = h.to(b_ptr.dtype.element_ty)  # as the reference rounds h to the activations' dtype
         if UPCAST:
             h = h.to(tl.float32)
         y_rows = y_ptr + tok_m[:, None] * stride_yt
-        for i in range(N_ITERS):
+        if PEELED:
+            y0_mask = tok_ok[:, None] & n0_ok[None, :]
+            old0 = tl.load(y_rows + cols0[None, :], mask=y0_mask, other=0.0)
+            if UPCAST:
+                bt0 = bt0.to(tl.float32)
+            delta0 = tl.dot(h, tl.trans(bt0), input_precision=PRECISION)
+            tl.store(y_rows + cols0[None, :], (old0.to(tl.float32) + scale * delta0).to(old0.dtype), mask=y0_mask)
+        for i in range(PEELED, N_ITERS):
             offs_n = n_begin + i * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < n_stop
             cols = (n_start + offs_n).to(tl.int64)
@@ -364,10 +515,16 @@ def shrink(
     *,
     num_slices: int = 1,
     config: ShrinkConfig | None = None,
+    pdl: bool | None = None,
+    short_chain: bool | None = None,
 ) -> None:
     """h[t] += A[slot(t)] @ x[t] for the plan's tokens (module docstring); `h` is fp32 `[T, L*R]`, zeroed
-    by the caller (one memset can serve every projection of a step)."""
+    by the caller (one memset can serve every projection of a step).
+
+    `pdl` and `short_chain` pick the latency options (module docstring); None takes the module's defaults.
+    """
     cfg = config or default_configs(plan.block_m)[0]
+    latency = _latency(x.device, pdl, short_chain)
     num_tokens, k_dim = x.shape
     lr = a_stack.shape[1]
     if x.stride(-1) != 1 or a_stack.stride(-1) != 1 or h.stride(-1) != 1:
@@ -407,8 +564,12 @@ def shrink(
         BLOCK_K=block_k,
         PRECISION=_dot_precision(x.dtype),
         UPCAST=_upcast_dots(),
+        USE_PDL=latency.pdl_order,
+        GDC=latency.gdc,
+        SHORT_CHAIN=latency.short_chain,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **latency.launch(),
     )
 
 
@@ -422,9 +583,15 @@ def expand(
     *,
     slice_sizes: Sequence[int] | None = None,
     config: ExpandConfig | None = None,
+    pdl: bool | None = None,
+    short_chain: bool | None = None,
 ) -> None:
-    """y[:, slice l] += scaling * B_l @ h_l for the plan's tokens, in place (module docstring)."""
+    """y[:, slice l] += scaling * B_l @ h_l for the plan's tokens, in place (module docstring).
+
+    `pdl` and `short_chain` as in `shrink`.
+    """
     cfg = config or default_configs(plan.block_m)[1]
+    latency = _latency(y.device, pdl, short_chain)
     sizes = list(slice_sizes) if slice_sizes is not None else [b_stack.shape[1]]
     r_slice = b_stack.shape[2]
     if not 1 <= len(sizes) <= MAX_SLICES or sum(sizes) != b_stack.shape[1] or y.shape[1] != b_stack.shape[1]:
@@ -437,6 +604,9 @@ def expand(
     block_n = cfg.block_n
     if plan.block_m == 1:  # as in shrink: the per-token body's B tile lives in registers
         block_n = max(16, min(block_n, 2 * _TILE_PER_THREAD * 32 * cfg.num_warps // block_r))
+    elif latency.pdl_order:  # the tile body holds the first B tile across the wait, beside h and a y tile
+        per_thread = _TILE_PER_THREAD * 2 // b_stack.element_size()  # sm_90: bf16 512 x 64, fp32 512 x 16 spilled
+        block_n = max(16, min(block_n, per_thread * 32 * cfg.num_warps // block_r))
     n_tiles = triton.cdiv(max(sizes), block_n)
     programs = _programs(y.device, cfg.programs_per_sm, plan.num_chunks * len(sizes))
     fewest_parts = min(max(programs // (plan.num_chunks * len(sizes)), 1), n_tiles)
@@ -463,8 +633,12 @@ def expand(
         BLOCK_R=block_r,
         PRECISION=_dot_precision(y.dtype),
         UPCAST=_upcast_dots(),
+        USE_PDL=latency.pdl_order,
+        GDC=latency.gdc,
+        SHORT_CHAIN=latency.short_chain,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **latency.launch(),
     )
 
 
@@ -540,9 +714,7 @@ def _fused_kernel(
         return
     n_start = tl.where(sl > 0, n0, 0) + tl.where(sl > 1, n1, 0) + tl.where(sl > 2, n2, 0)
     n_stop = tl.minimum(n_begin + tiles_per_part * BLOCK_N, n_size)
-    slot = tl.load(chunks_ptr + chunk * 3).to(tl.int64)
-    start = tl.load(chunks_ptr + chunk * 3 + 1)
-    length = tl.load(chunks_ptr + chunk * 3 + 2)
+    slot, start, length, _ = _chunk_row(chunks_ptr, chunk)
     rank = tl.load(ranks_ptr + slot)
     if rank == 0:
         return

@@ -127,10 +127,12 @@ def test_hot_swap_under_graphs_serves_new_weights(
     engines: tuple[LLMEngine, LLMEngine], adapter_dirs: dict[str, Path]
 ) -> None:
     eager, graphed = engines
-    requests: list[tuple[list[int], str | None]] = [(p, "r16") for p in _prompts(eager, 3)]
+    for e in (eager, graphed):
+        e.load_adapter("swap", str(adapter_dirs["r16"]), wait=True)
+    requests: list[tuple[list[int], str | None]] = [(p, "swap") for p in _prompts(eager, 3)]
     before = _generate(graphed, requests, tokens=12)
     for e in (eager, graphed):
-        e.load_adapter("r16", str(adapter_dirs["r16-v2"]), wait=True)
+        e.load_adapter("swap", str(adapter_dirs["r16-v2"]), wait=True)
     want = _generate(eager, requests, tokens=12)
     got = _generate(graphed, requests, tokens=12)
     assert got == want and got != before

@@ -96,6 +96,48 @@ def test_lora_apply_matches_reference(name: str, dtype: torch.dtype, block_m: in
     assert torch.equal(y[base_only], y0[base_only])
 
 
+# The separate kernels' latency options (engine.kernels_triton): PDL launches (Hopper and later; elsewhere
+# ignored), the short metadata chain, both.
+LATENCY_OPTIONS = {
+    "pdl": {"pdl": True, "short_chain": False},
+    "short": {"pdl": False, "short_chain": True},
+    "both": {"pdl": True, "short_chain": True},
+}
+
+
+@pytest.mark.parametrize("options", sorted(LATENCY_OPTIONS))
+@pytest.mark.parametrize("block_m", [None, 16], ids=["default-chunks", "chunks-of-16"])
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_latency_options_match_reference(name: str, block_m: int | None, options: str) -> None:
+    """Eager launches, each right behind the memset of h (shrink) or the shrink (expand) it depends on."""
+    from engine import kernels_triton as kt
+
+    token_slots, slot_ranks, max_rank, k_dim, slice_sizes = SCENARIOS[name]
+    a, b, ranks, scalings = stacks(slot_ranks, max_rank, k_dim, slice_sizes, torch.bfloat16)
+    slots = torch.tensor(token_slots, dtype=torch.int32, device="cuda")
+    x = torch.randn(len(token_slots), k_dim, device="cuda").to(torch.bfloat16)
+    y0 = torch.randn(len(token_slots), sum(slice_sizes), device="cuda").to(torch.bfloat16)
+    want = reference(y0, x, a, b, ranks, scalings, slots, slice_sizes)
+
+    y = y0.clone()
+    plan = kt.plan_segments(token_slots, "cuda", block_m=block_m)
+    pdl, short = LATENCY_OPTIONS[options]["pdl"], LATENCY_OPTIONS[options]["short_chain"]
+    kernels.lora_apply(
+        y, x, a, b, ranks, scalings, slots, slice_sizes=slice_sizes, plan=plan, pdl=pdl, short_chain=short
+    )
+    torch.cuda.synchronize()
+    assert rel_err(y, want) < TOLERANCE[torch.bfloat16]
+    base_only = (slots < 0) | (ranks[slots.clamp_min(0)] == 0)
+    assert torch.equal(y[base_only], y0[base_only])
+
+
+def test_pdl_is_supported_from_hopper_on() -> None:
+    from engine import kernels_triton as kt
+
+    assert kt.pdl_supported("cuda") == (torch.cuda.get_device_capability()[0] >= 9)
+    assert kt._latency(torch.device("cuda"), True, None).gdc == kt.pdl_supported("cuda")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_front_shrink_then_expand(dtype: torch.dtype) -> None:
     token_slots, slot_ranks, max_rank, k_dim, slice_sizes = SCENARIOS["decode-qkv-gqa-mixed"]
@@ -133,10 +175,14 @@ def test_shrink_of_a_few_chunks_in_a_large_plan() -> None:
     assert torch.all(used[:, :, 8:] == 0) and torch.all(used[:, :, :8] != 0)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "shrink-expand"])
+@pytest.mark.parametrize("path", ["fused", "shrink-expand", *sorted(LATENCY_OPTIONS)])
 @pytest.mark.parametrize("block_m", [1, 16])
-def test_cuda_graph_replays_a_new_plan(block_m: int, fused: bool) -> None:
+def test_cuda_graph_replays_a_new_plan(block_m: int, path: str) -> None:
+    """Also PDL under stream capture: the launches become programmatic edges of the graph."""
     from engine import kernels_triton as kt
+
+    fused = path == "fused"
+    options = LATENCY_OPTIONS.get(path, {"pdl": False, "short_chain": False})
 
     num_tokens, num_slots, k_dim, slice_sizes = 64, 64, 4096, [4096, 1024, 1024]
     a, b, ranks, scalings = stacks([16] * num_slots, 16, k_dim, slice_sizes, torch.bfloat16)
@@ -151,8 +197,9 @@ def test_cuda_graph_replays_a_new_plan(block_m: int, fused: bool) -> None:
             kt.fused(y, x, a, b, ranks, scalings, static, slice_sizes=slice_sizes)
             return
         h = torch.zeros(num_tokens, a.shape[1], device="cuda")
-        kt.shrink(x, a, ranks, static, h, num_slices=len(slice_sizes))
-        kt.expand(y, h, b, ranks, scalings, static, slice_sizes=slice_sizes)
+        pdl, short = options["pdl"], options["short_chain"]
+        kt.shrink(x, a, ranks, static, h, num_slices=len(slice_sizes), pdl=pdl, short_chain=short)
+        kt.expand(y, h, b, ranks, scalings, static, slice_sizes=slice_sizes, pdl=pdl, short_chain=short)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -192,16 +192,59 @@ def test_plan_groups_tokens_into_chunks() -> None:
     slots = [3, -1, 3, 0, 3, 3, 0]
     plan = plan_segments(slots, "cpu", block_m=2, num_chunks=chunk_capacity(len(slots), 4, 2))
     assert plan.num_chunks == 8 and int(plan.num_real) == 3
+    assert plan.chunks.shape == (8, 4) and plan.chunks.dtype == torch.int32
     order = plan.token_order.tolist()
-    chunks = {(s, tuple(order[start : start + n])) for s, start, n in plan.chunks.tolist()[:3]}
-    assert chunks == {(3, (0, 2)), (3, (4, 5)), (0, (3, 6))}
-    assert all(n == 0 for _, _, n in plan.chunks.tolist()[3:])
+    chunks = {(s, tuple(order[start : start + n]), first) for s, start, n, first in plan.chunks.tolist()[:3]}
+    assert chunks == {(3, (0, 2), 0), (3, (4, 5), 4), (0, (3, 6), 3)}
+    assert all(row == [0, 0, 0, 0] for row in plan.chunks.tolist()[3:])
 
     plan.copy_(plan_segments([0] * 7, "cpu", block_m=2, num_chunks=plan.num_chunks))
     assert int(plan.num_real) == 4
-    assert [n for _, _, n in plan.chunks.tolist()] == [2, 2, 2, 1, 0, 0, 0, 0]
+    assert [n for _, _, n, _ in plan.chunks.tolist()] == [2, 2, 2, 1, 0, 0, 0, 0]
+    assert [first for _, _, _, first in plan.chunks.tolist()[:4]] == [0, 2, 4, 6]
     with pytest.raises(ValueError, match="chunks"):
         plan_segments(list(range(7)), "cpu", block_m=2, num_chunks=3)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_one_token_chunks_carry_their_token() -> None:
+    """Chunks of 1 (decode): the short chain reads a chunk's token from its row, not from token_order."""
+    from engine.kernels_triton import plan_segments
+
+    plan = plan_segments(SHORT_SLOTS, "cpu", block_m=1, num_chunks=len(SHORT_SLOTS) + 3)
+    order = plan.token_order.tolist()
+    real = plan.chunks.tolist()[: int(plan.num_real)]
+    assert all(n == 1 and first == order[start] and SHORT_SLOTS[first] == s for s, start, n, first in real)
+    assert sorted(first for *_, first in real) == [t for t, s in enumerate(SHORT_SLOTS) if s >= 0]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_pdl_needs_a_hopper_gpu() -> None:
+    from engine import kernels_triton as kt
+
+    assert not kt.pdl_supported("cpu") and not kt.pdl_default("cpu")
+    options = kt._latency(torch.device("cpu"), True, True)
+    assert not options.gdc and options.launch() == {} and options.short_chain
+    assert kt._latency(torch.device("cpu"), None, None).short_chain is kt.SHORT_CHAIN_BY_DEFAULT
+
+
+def test_cpu_front_takes_the_latency_options() -> None:
+    """The CPU path has no launches to overlap: `pdl` and `short_chain` are accepted and change nothing."""
+    case = case_for("qkv-slices", torch.float32)
+    y = case.y.clone()
+    kernels.lora_apply(
+        y,
+        case.x,
+        case.a_stack,
+        case.b_stack,
+        case.ranks,
+        case.scalings,
+        case.token_slots,
+        slice_sizes=case.slice_sizes,
+        pdl=True,
+        short_chain=True,
+    )
+    assert rel_err(y, expected_y(case)) < TOLERANCE[torch.float32]
 
 
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="parent process only; needs triton")
@@ -219,30 +262,66 @@ def test_triton_interpreted() -> None:
     assert "skipped" not in proc.stdout and " passed" in proc.stdout, proc.stdout[-2000:]
 
 
+# split: many programs; rank blocks past a slot's rank exit, units split over K and N tiles.
+# loop: fewest programs; one per unit loops over every K block and N tile, a rank block spans slices.
+# adapt: 3 real chunks in a plan sized for 9, so each unit gets more programs than the static loop
+# bounds assume, and every program must stop at its own share of K and N.
+# token-*: block_m 1 runs the per-token (matrix-vector) bodies, the others the tensor-core tiles.
+KERNEL_SHAPES = pytest.mark.parametrize(
+    ("block_m", "block_r", "per_sm", "token_slots"),
+    [
+        (16, 16, 16, MIXED_SLOTS),
+        (16, 64, 1, MIXED_SLOTS),
+        (16, 64, 4, FEW_CHUNK_SLOTS),
+        (1, 64, 4, SHORT_SLOTS),
+        (1, 64, 1, MIXED_SLOTS),
+    ],
+    ids=["split", "loop", "adapt", "token-adapt", "token-loop"],
+)
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="runs inside test_triton_interpreted's child process")
 class TestInterpreted:
     """The triton kernels, interpreted on the CPU, on shapes that hit every mask and early exit."""
 
-    # split: many programs; rank blocks past a slot's rank exit, units split over K and N tiles.
-    # loop: fewest programs; one per unit loops over every K block and N tile, a rank block spans slices.
-    # adapt: 3 real chunks in a plan sized for 9, so each unit gets more programs than the static loop
-    # bounds assume, and every program must stop at its own share of K and N.
-    # token-*: block_m 1 runs the per-token (matrix-vector) bodies, the others the tensor-core tiles.
-    @pytest.mark.parametrize(
-        ("block_m", "block_r", "per_sm", "token_slots"),
-        [
-            (16, 16, 16, MIXED_SLOTS),
-            (16, 64, 1, MIXED_SLOTS),
-            (16, 64, 4, FEW_CHUNK_SLOTS),
-            (1, 64, 4, SHORT_SLOTS),
-            (1, 64, 1, MIXED_SLOTS),
-        ],
-        ids=["split", "loop", "adapt", "token-adapt", "token-loop"],
-    )
+    @KERNEL_SHAPES
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     @pytest.mark.parametrize("name", sorted(CASES))
     def test_shrink_and_expand(
         self, name: str, dtype: torch.dtype, block_m: int, block_r: int, per_sm: int, token_slots: list[int]
+    ) -> None:
+        self.check_shrink_and_expand(name, dtype, block_m, block_r, per_sm, token_slots, {})
+
+    # Latency options, on the same shapes: "short" reads tokens from the chunk rows and loads them before the
+    # rank; "pdl" runs PDL's load order (weights first, the first block peeled off the loop) without the
+    # griddepcontrol the interpreter lacks; "both" combines them.
+    @KERNEL_SHAPES
+    @pytest.mark.parametrize(
+        "options",
+        [{"short_chain": True}, {"pdl": True}, {"pdl": True, "short_chain": True}],
+        ids=["short", "pdl", "both"],
+    )
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    def test_latency_options(
+        self,
+        dtype: torch.dtype,
+        options: dict[str, bool],
+        block_m: int,
+        block_r: int,
+        per_sm: int,
+        token_slots: list[int],
+    ) -> None:
+        self.check_shrink_and_expand("qkv-slices", dtype, block_m, block_r, per_sm, token_slots, options)
+
+    def check_shrink_and_expand(
+        self,
+        name: str,
+        dtype: torch.dtype,
+        block_m: int,
+        block_r: int,
+        per_sm: int,
+        token_slots: list[int],
+        options: dict[str, bool],
     ) -> None:
         from engine import kernels_triton as kt
 
@@ -254,12 +333,14 @@ class TestInterpreted:
         lr = case.a_stack.shape[1]
         h = torch.zeros(case.x.shape[0], lr)
         shrink_cfg = kt.ShrinkConfig(block_k=16, block_r=block_r, programs_per_sm=per_sm)
-        kt.shrink(case.x, case.a_stack, case.ranks, plan, h, num_slices=len(case.slice_sizes), config=shrink_cfg)
+        num_slices = len(case.slice_sizes)
+        kt.shrink(case.x, case.a_stack, case.ranks, plan, h, num_slices=num_slices, config=shrink_cfg, **options)
         assert rel_err(h, expected_h(case)) < tol
 
         y = case.y.clone()
         expand_cfg = kt.ExpandConfig(block_n=16, programs_per_sm=per_sm)
-        kt.expand(y, h, case.b_stack, case.ranks, case.scalings, plan, slice_sizes=case.slice_sizes, config=expand_cfg)
+        sizes = case.slice_sizes
+        kt.expand(y, h, case.b_stack, case.ranks, case.scalings, plan, slice_sizes=sizes, config=expand_cfg, **options)
         assert rel_err(y, expected_y(case)) < tol
         untouched = (case.token_slots < 0) | (case.token_slots == 2)
         assert torch.equal(y[untouched], case.y[untouched])
