@@ -304,7 +304,7 @@ def section_zipf(b: Bench, prompt: list[int], requests: int, rate: float) -> Non
     paths: list[Path] = []
     trace = zipf_trace(requests, 500, 1.0, seed=7)
     for policy in ("frequency", "lru"):
-        eng = b.engine(lora_slots=64, host_adapter_cache=128, adapter_eviction=policy)
+        eng = b.engine(lora_slots=64, host_adapter_cache=128, adapter_eviction=policy, max_waiting=100_000)
         if not paths:
             paths = b.adapters(eng, "z", 500, rank=16, modules=("q_proj", "k_proj", "v_proj", "o_proj"))
         for i, path in enumerate(paths):

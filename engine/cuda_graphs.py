@@ -1,12 +1,15 @@
-"""CUDA graphs of the decode step: one capture per (batch bucket, KV-length bucket, with or without LoRA).
+"""CUDA graphs of the engine's steps, captured once at start-up and replayed.
 
-A decode step of a small model is bound by kernel launches, not by the GPU: eager mode spends more host
-time launching each layer's ~20 kernels than the GPU spends running them. Each step shape is captured once
-at start-up and replayed. Shapes are made static by padding:
+A step of a small model is bound by kernel launches, not by the GPU: eager mode spends more host time
+launching each layer's ~20 kernels than the GPU spends running them. Shapes are made static by padding.
 
-- the batch up to its bucket: padding rows write their keys and values at position 0 of the KV cache's
-  scratch row and use no adapter;
-- the keys read per sequence up to a KV-length bucket, masked past each sequence's own position.
+Decode (`DecodeGraphs`), one capture per (batch bucket, KV-length bucket, with or without LoRA):
+- the batch is padded up to its bucket: padding rows write their keys and values at position 0 of the KV
+  cache's scratch row and use no adapter;
+- the keys read per sequence are padded up to a KV-length bucket, masked past each sequence's position.
+
+Prefill (`PrefillGraphs`), one capture per (prompt-length bucket, with or without LoRA): one prompt,
+padded at its end (`model.PrefillView`); a step with several new prompts replays once per prompt.
 
 Inputs live in preallocated device buffers; the LoRA plan (tokens grouped by slot, `SegmentPlan`) is sized
 for the bucket and refilled before every replay, so one graph serves any mix of adapters. A graph with LoRA
@@ -15,19 +18,28 @@ applies every projection; per-projection ranks make the kernels skip what a slot
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.kv_cache import KVCache
 from engine.lora import LoRABatch, LoRAStacks
-from engine.model import DecoderModel, DecodeView
+from engine.model import DecoderModel, DecodeView, PrefillView
+
+if TYPE_CHECKING:
+    from engine.kernels_triton import SegmentPlan
 
 log = logging.getLogger("engine.graphs")
 
+GraphPool = Any  # torch.cuda.graph_pool_handle()'s opaque handle
+
 _SMALLEST_KV_BUCKET = 256
+_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)  # longer prompts run eagerly: their GPU time dominates
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -52,15 +64,36 @@ def kv_len_buckets(max_len: int) -> list[int]:
     return [*sizes, max_len]
 
 
+def prefill_buckets(max_len: int) -> list[int]:
+    """Prompt-length buckets: 16 to 512 tokens, below the context length (a prompt leaves room for output)."""
+    return [b for b in _PREFILL_BUCKETS if b < max_len]
+
+
 def bucket_for(buckets: list[int], need: int) -> int | None:
     """The smallest bucket holding `need`, or None when none does."""
     return next((b for b in buckets if b >= need), None)
 
 
+def capture(
+    forward: Callable[[], torch.Tensor], device: torch.device, pool: GraphPool
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A graph of `forward` and its output tensor (rewritten by every replay)."""
+    # Warm up on a side stream first (triton compiles, cuBLAS picks kernels), as capture requires.
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
+
+
 class DecodeGraphs:
     """Captured decode steps over one model, KV cache and LoRA stacks (CUDA only)."""
 
-    def __init__(self, model: DecoderModel, kv: KVCache, stacks: LoRAStacks, max_batch: int) -> None:
+    def __init__(self, model: DecoderModel, kv: KVCache, stacks: LoRAStacks, max_batch: int, pool: GraphPool) -> None:
         from engine.kernels_triton import plan_segments
 
         self.model, self.kv, self.stacks = model, kv, stacks
@@ -74,7 +107,7 @@ class DecodeGraphs:
         self._plans = {b: plan_segments([-1] * b, self.device, block_m=1, num_chunks=b) for b in self.batches}
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._logits: dict[GraphKey, torch.Tensor] = {}
-        self._pool = torch.cuda.graph_pool_handle()
+        self._pool = pool
         self.replays = 0
 
     @property
@@ -101,16 +134,7 @@ class DecodeGraphs:
         return self.model.decode(self._inputs[0, :b], view, self.kv, lora)
 
     def _capture(self, key: GraphKey) -> None:
-        # Warm up on a side stream first (triton compiles, cuBLAS picks kernels), as capture requires.
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._forward(key)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._logits[key] = self._forward(key)
-        self._graphs[key] = graph
+        self._graphs[key], self._logits[key] = capture(lambda: self._forward(key), self.device, self._pool)
 
     def run(
         self, input_ids: list[int], positions: list[int], kv_slots: list[int], token_slots: list[int]
@@ -138,3 +162,68 @@ class DecodeGraphs:
         self._graphs[key].replay()
         self.replays += 1
         return self._logits[key][:n]
+
+
+class PrefillGraphs:
+    """Captured single-prompt prefills over one model, KV cache and LoRA stacks (CUDA only)."""
+
+    def __init__(self, model: DecoderModel, kv: KVCache, stacks: LoRAStacks, pool: GraphPool) -> None:
+        from engine.kernels_triton import chunk_capacity
+
+        self.model, self.kv, self.stacks = model, kv, stacks
+        self.device = kv.k[0].device
+        self.lengths = prefill_buckets(kv.max_len)
+        top = self.lengths[-1] if self.lengths else 0
+        self._ids = torch.zeros(top, dtype=torch.long, device=self.device)
+        self._positions = torch.arange(top, device=self.device)
+        self._slot_last = torch.zeros(2, dtype=torch.long, device=self.device)  # KV slot, last real row
+        self._token_slots = torch.full((top,), -1, dtype=torch.int32, device=self.device)
+        # One adapter per prompt: tensor-core chunks of 16 tokens (or 64 past 256 tokens).
+        self._block_m = {n: 16 if n <= 256 else 64 for n in self.lengths}
+        self._chunks = {n: chunk_capacity(n, 1, self._block_m[n]) for n in self.lengths}
+        self._plans = {n: self._plan([-1] * n) for n in self.lengths}
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._logits: dict[tuple[int, bool], torch.Tensor] = {}
+        self._pool = pool
+        self.replays = 0
+
+    def _plan(self, token_slots: list[int]) -> SegmentPlan:
+        from engine.kernels_triton import plan_segments
+
+        n = len(token_slots)
+        return plan_segments(token_slots, self.device, block_m=self._block_m[n], num_chunks=self._chunks[n])
+
+    def capture_all(self) -> None:
+        self._slot_last[0] = self.kv.scratch_slot
+        start = time.perf_counter()
+        for n in reversed(self.lengths):
+            for lora in (True, False):
+                key = (n, lora)
+                forward = functools.partial(self._forward, (n, lora))
+                self._graphs[key], self._logits[key] = capture(forward, self.device, self._pool)
+        log.info("captured %d prefill graphs in %.1f s", len(self._graphs), time.perf_counter() - start)
+
+    def _forward(self, key: tuple[int, bool]) -> torch.Tensor:
+        n, lora = key
+        view = PrefillView(slot=self._slot_last[:1], last=self._slot_last[1:])
+        batch = LoRABatch.static(self.stacks, self._token_slots[:n], self._plans[n]) if lora else None
+        return self.model.prefill(self._ids[:n], self._positions[:n], view, self.kv, batch)
+
+    def run(self, prompt_ids: list[int], kv_slot: int, lora_slot: int) -> torch.Tensor | None:
+        """Logits [1, vocab] after prefilling `prompt_ids`, or None when the prompt fits no bucket."""
+        n = len(prompt_ids)
+        length = bucket_for(self.lengths, n)
+        if length is None:
+            return None
+        key = (length, lora_slot >= 0)
+        pad = length - n
+        self._ids[:length].copy_(torch.tensor(prompt_ids + [0] * pad, dtype=torch.long), non_blocking=True)
+        self._slot_last.copy_(torch.tensor([kv_slot, n - 1], dtype=torch.long), non_blocking=True)
+        if key[1]:
+            padded = [lora_slot] * n + [-1] * pad
+            self._plans[length].copy_(self._plan(padded))
+            self._token_slots[:length].copy_(torch.tensor(padded, dtype=torch.int32), non_blocking=True)
+            self.stacks.wait_ready([lora_slot])
+        self._graphs[key].replay()
+        self.replays += 1
+        return self._logits[key].clone()  # the next prompt of this step may replay the same graph

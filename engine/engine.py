@@ -18,7 +18,7 @@ import torch
 
 from engine.adapters import AdapterError
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from engine.eviction import DecayedFrequencyPolicy, LRUPolicy
 from engine.kv_cache import KVCache
 from engine.loader import load_weights, resolve_model
@@ -76,9 +76,13 @@ class LLMEngine:
         self.pool.on_loaded.append(self._wake)
         self.scheduler = Scheduler(self.kv, self.pool, config.max_num_batched_tokens)
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = DecodeGraphs(self.model, self.kv, self.stacks, self.kv.total)
+            pool = torch.cuda.graph_pool_handle()
+            self.graphs = DecodeGraphs(self.model, self.kv, self.stacks, self.kv.total, pool)
             self.graphs.capture_all()
+            self.prefill_graphs = PrefillGraphs(self.model, self.kv, self.stacks, pool)
+            self.prefill_graphs.capture_all()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stop = threading.Event()
@@ -293,13 +297,19 @@ class LLMEngine:
             return
         order: list[Sequence] = []
         parts: list[torch.Tensor] = []
-        eager = running
+        eager = list(running)
         if self.graphs is not None:
             decoding = [s for s in running if s not in admitted]
             logits = self._decode_graphed(decoding) if decoding else None
             if logits is not None:
                 order, parts = decoding, [logits]
                 eager = [s for s in running if s in admitted]
+        if self.prefill_graphs is not None:
+            for seq in [s for s in eager if s in admitted]:
+                logits = self.prefill_graphs.run(seq.prompt_ids, seq.kv_slot, seq.lora_slot)
+                if logits is not None:
+                    order, parts = [*order, seq], [*parts, logits]
+                    eager.remove(seq)
         if eager:
             order, parts = order + eager, [*parts, self._forward_eager(eager, admitted)]
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)

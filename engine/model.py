@@ -60,6 +60,17 @@ class DecodeView:
         return DecodeView(slots=slots, positions=positions, mask=mask[:, None, None, :], max_len=max_len)
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillView:
+    """A whole prompt of one sequence, padded at its end to a fixed length, described by device tensors
+    (a CUDA graph replays it for any prompt that fits). Padding rows come after every real one, so causal
+    attention keeps them out of the real rows; their keys land past the prompt in the sequence's own KV
+    row, where decoding overwrites each position before it first attends to it."""
+
+    slot: torch.Tensor  # [1] KV slot
+    last: torch.Tensor  # [1] row of the prompt's last real token
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -109,7 +120,7 @@ class DecoderLayer(nn.Module):
         seqs: list[SeqSlice],
         kv: KVCache,
         lora: LoRABatch | None,
-        decode: DecodeView | None = None,
+        view: DecodeView | PrefillView | None = None,
     ) -> torch.Tensor:
         arch = self.arch
         q_size, kv_size = arch.q_size, arch.kv_size
@@ -122,8 +133,10 @@ class DecoderLayer(nn.Module):
         k = apply_rope(qkv[:, q_size : q_size + kv_size].view(tokens, arch.num_kv_heads, arch.head_dim), cos, sin)
         v = qkv[:, q_size + kv_size :].view(tokens, arch.num_kv_heads, arch.head_dim)
         k_cache, v_cache = kv.k[self.index], kv.v[self.index]
-        if decode is not None:
-            attn = self._decode_attention(q, k, v, k_cache, v_cache, decode)
+        if isinstance(view, DecodeView):
+            attn = self._decode_attention(q, k, v, k_cache, v_cache, view)
+        elif isinstance(view, PrefillView):
+            attn = self._prefill_attention(q, k, v, k_cache, v_cache, view)
         else:
             attn = self._attention(q, k, v, k_cache, v_cache, seqs)
         attn_flat = attn.reshape(tokens, q_size)
@@ -165,6 +178,23 @@ class DecoderLayer(nn.Module):
             out = F.scaled_dot_product_attention(queries, keys, values, is_causal=s.length > 1, enable_gqa=True)
             attn[rows] = out[0].transpose(0, 1)
         return attn
+
+    @staticmethod
+    def _prefill_attention(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        view: PrefillView,
+    ) -> torch.Tensor:
+        """One padded prompt: write its keys and values at positions [0, T) of its slot, attend causally."""
+        tokens = q.shape[0]
+        k_cache[view.slot, :, :tokens] = k.transpose(0, 1).unsqueeze(0)
+        v_cache[view.slot, :, :tokens] = v.transpose(0, 1).unsqueeze(0)
+        queries, keys, values = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
+        return out[0].transpose(0, 1)
 
     @staticmethod
     def _decode_attention(
@@ -241,6 +271,14 @@ class DecoderModel(nn.Module):
         (`DecodeView.of_buffers`): no host reads or uploads, so a CUDA graph can capture it."""
         return self._logits(self._layers(input_ids, view.positions, [], kv, lora, view))
 
+    @torch.inference_mode()
+    def prefill(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, view: PrefillView, kv: KVCache, lora: LoRABatch | None
+    ) -> torch.Tensor:
+        """Logits [1, vocab] after one padded prompt (`PrefillView`); device tensors only, like `decode`."""
+        x = self._layers(input_ids, positions, [], kv, lora, view)
+        return self._logits(x.index_select(0, view.last))
+
     def _layers(
         self,
         input_ids: torch.Tensor,
@@ -248,13 +286,13 @@ class DecoderModel(nn.Module):
         seqs: list[SeqSlice],
         kv: KVCache,
         lora: LoRABatch | None,
-        decode: DecodeView | None,
+        view: DecodeView | PrefillView | None,
     ) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
         cos = cast(torch.Tensor, self.rope_cos)[positions]
         sin = cast(torch.Tensor, self.rope_sin)[positions]
         for layer in self.layers:
-            x = layer(x, cos, sin, seqs, kv, lora, decode)
+            x = layer(x, cos, sin, seqs, kv, lora, view)
         return x
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -107,11 +107,13 @@ def test_graph_decode_matches_eager_on_a_mixed_padded_batch(engines: tuple[LLMEn
     assert graphed.graphs is not None
     names: list[str | None] = [None, "r4-mlp", "r8-qv", "r16", None, "r16"]  # 6 rows: padded to 8
     requests = list(zip(_prompts(eager, 6), names, strict=True))
-    before = graphed.graphs.replays
+    assert graphed.prefill_graphs is not None
+    before, prefills_before = graphed.graphs.replays, graphed.prefill_graphs.replays
     want = _generate(eager, requests, tokens=24)
     got = _generate(graphed, requests, tokens=24)
     assert got == want
     assert graphed.graphs.replays - before >= 20  # decode steps really ran as graphs
+    assert graphed.prefill_graphs.replays - prefills_before == 6  # and every prompt's prefill
 
 
 def test_graph_decode_crosses_a_kv_bucket_and_a_batch_shrinking(engines: tuple[LLMEngine, LLMEngine]) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from engine.kv_cache import KVCache
 from engine.loader import load_weights, resolve_model
-from engine.model import DecoderModel, SeqSlice
+from engine.model import DecoderModel, DecodeView, PrefillView, SeqSlice
 
 transformers = pytest.importorskip("transformers")
 
@@ -102,3 +102,26 @@ def test_batched_decode_step_matches_per_sequence_decode(tmp_path: Path) -> None
     both = model(torch.tensor([40, 42]), torch.tensor([5, 3]), seqs, batched_kv, None)
     torch.testing.assert_close(both, torch.cat(alone), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(batched_kv.k[1], alone_kv.k[1])  # the caches were written the same way
+
+
+def test_padded_prefill_and_buffer_decode_match_transformers(tmp_path: Path) -> None:
+    """The device-tensor-only paths the CUDA graphs capture (`prefill`, `decode`), run eagerly on the CPU:
+    a prompt padded past its end, then decode steps padded with scratch-row sequences."""
+    reference = _save_tiny("llama", tmp_path)
+    arch, state = load_weights(resolve_model(str(tmp_path)))
+    ours = DecoderModel(arch)
+    ours.load_state(state)
+    kv = KVCache(arch, slots=2, max_len=32, dtype=torch.float32, device=torch.device("cpu"))
+    prompt = [5, 17, 42, 8, 90, 3]
+    with torch.no_grad():
+        ref_logits = reference(torch.tensor([[*prompt, 11, 12]])).logits[0]
+    padded = torch.tensor([*prompt, 0, 0, 0, 0])  # padded to 10 tokens
+    view = PrefillView(slot=torch.tensor([1]), last=torch.tensor([len(prompt) - 1]))
+    logits = ours.prefill(padded, torch.arange(10), view, kv, None)
+    torch.testing.assert_close(logits[0], ref_logits[len(prompt) - 1], rtol=1e-4, atol=1e-4)
+    for step, token in enumerate([11, 12]):
+        pos = len(prompt) + step
+        # Row 0 is the sequence; row 1 pads the batch, writing at position 0 of the scratch row.
+        decode = DecodeView.of_buffers(torch.tensor([1, kv.scratch_slot]), torch.tensor([pos, 0]), max_len=16)
+        logits = ours.decode(torch.tensor([token, 0]), decode, kv, None)
+        torch.testing.assert_close(logits[0], ref_logits[pos], rtol=1e-4, atol=1e-4)
