@@ -299,20 +299,20 @@ def timed_traffic(eng: LLMEngine, prompt: list[int], names: list[str | None], ra
 
 
 def section_zipf(b: Bench, prompt: list[int], requests: int, rate: float) -> None:
-    """(e) 500 adapters, 64 slots, Zipf(1.0): p99 TTFT vs a one-adapter run; slot hit rate vs LRU."""
+    """(e) 500 adapters (all in host RAM), 64 GPU slots, Zipf(1.0) popularity: p99 TTFT vs a one-adapter run
+    with the same arrivals, and the slot hit rate of our eviction policy vs plain LRU on the same trace."""
     results: dict[str, tuple[list[float], float]] = {}
     paths: list[Path] = []
     trace = zipf_trace(requests, 500, 1.0, seed=7)
     for policy in ("frequency", "lru"):
-        eng = b.engine(lora_slots=64, host_adapter_cache=128, adapter_eviction=policy, max_waiting=100_000)
+        eng = b.engine(lora_slots=64, host_adapter_cache=512, adapter_eviction=policy, max_waiting=100_000)
         if not paths:
-            paths = b.adapters(eng, "z", 500, rank=16, modules=("q_proj", "k_proj", "v_proj", "o_proj"))
+            paths = b.adapters(eng, "z", 500, rank=16, modules=("q_proj", "v_proj"))
         for i, path in enumerate(paths):
-            eng.load_adapter(f"z{i}", str(path), wait=False)
-        eng.load_adapter("one", str(paths[0]), wait=True)
-        timed_traffic(eng, prompt, ["one"] * 64, rate)  # warm-up
+            eng.load_adapter(f"z{i}", str(path), wait=True)
+        timed_traffic(eng, prompt, ["z0"] * 64, rate)  # warm-up
         if policy == "frequency":
-            results["one adapter"] = (timed_traffic(eng, prompt, ["one"] * requests, rate), 1.0)
+            results["one adapter"] = (timed_traffic(eng, prompt, ["z0"] * requests, rate), 1.0)
         hits0, misses0 = eng.pool.slot_hits, eng.pool.slot_misses
         ttfts = timed_traffic(eng, prompt, [f"z{i}" for i in trace], rate)
         hits, misses = eng.pool.slot_hits - hits0, eng.pool.slot_misses - misses0
@@ -326,8 +326,8 @@ def section_zipf(b: Bench, prompt: list[int], requests: int, rate: float) -> Non
         t, hit = results[policy]
         report(
             f"(e) 500 adapters / 64 slots, Zipf 1.0, {requests} requests at {rate:.0f}/s, eviction {policy}: "
-            f"p99 TTFT {p99(t) * 1e3:.1f} ms ({p99(t) / one:.2f}x one-adapter {one * 1e3:.1f} ms), "
-            f"p50 {p50(t) * 1e3:.1f} ms, slot hit rate {hit:.3f}"
+            f"p99 TTFT {p99(t) * 1e3:.2f} ms ({p99(t) / one:.2f}x one-adapter {one * 1e3:.2f} ms), "
+            f"p50 {p50(t) * 1e3:.2f} ms, slot hit rate {hit:.3f}"
         )
     report(f"(e) hit rate ours / LRU: {results['frequency'][1] / max(results['lru'][1], 1e-9):.2f}x")
 

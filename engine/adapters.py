@@ -134,37 +134,45 @@ def load_adapter(spec: AdapterSpec, dtype: torch.dtype) -> AdapterWeights:
         match = _KEY.match(name)
         if match is None:
             raise AdapterError(f"{spec.path}: unsupported tensor {name!r}")
-        if not torch.isfinite(tensor).all():
-            raise AdapterError(f"{spec.path}: {name!r} contains NaN or infinite values")
         halves.setdefault((int(match[1]), match[2]), {})[match[3]] = tensor
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for key, pair in halves.items():
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"{spec.path}: layer {key[0]} {key[1]} lacks lora_{'B' if 'A' in pair else 'A'}")
         tensors[key] = (pair["A"], pair["B"])
-    return AdapterWeights(
-        rank=spec.rank, scaling=spec.scaling, modules=spec.modules, tensors=_host_copy(tensors, dtype)
-    )
+    host, flat = _host_copy(tensors, dtype)
+    if not torch.isfinite(flat).all():  # one check over the whole buffer; find the culprit only on failure
+        name = next(
+            f"{key[1]} of layer {key[0]}" for key, pair in host.items() if not all(t.isfinite().all() for t in pair)
+        )
+        raise AdapterError(f"{spec.path}: {name} contains NaN or infinite values (in {dtype})")
+    return AdapterWeights(rank=spec.rank, scaling=spec.scaling, modules=spec.modules, tensors=host)
 
 
 def _host_copy(
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
-) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """All of an adapter's tensors as views of one host buffer, page-locked when a GPU will read it.
+) -> tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """All of an adapter's tensors as views of one host buffer (returned too), page-locked when a GPU will
+    read it.
 
     One pinned allocation instead of hundreds (pinning is a slow system call) lets host->GPU copies run
-    asynchronously without per-tensor setup.
+    asynchronously without per-tensor setup. The copies go out as one multi-tensor call: a load runs on a
+    background thread, and every separate torch call there waits for the GIL held by the engine's loop.
     """
     total = sum(a.numel() + b.numel() for a, b in tensors.values())
     buffer = torch.empty(total, dtype=dtype, pin_memory=torch.cuda.is_available())
     out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
     offset = 0
     for key, pair in tensors.items():
         views = []
         for t in pair:
-            view = buffer[offset : offset + t.numel()].view(t.shape)
-            view.copy_(t)
-            views.append(view)
+            views.append(buffer[offset : offset + t.numel()].view(t.shape))
             offset += t.numel()
         out[key] = (views[0], views[1])
-    return out
+        dst += views
+        src += pair
+    if dst:
+        torch._foreach_copy_(dst, src)
+    return out, buffer
