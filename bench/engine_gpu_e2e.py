@@ -33,6 +33,7 @@ from tests.unit.engine.tiny import write_adapter
 
 ALL7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SUMMARY: list[str] = []
+TRACE = False  # --trace: per-step phase timings of the cold-join and Zipf runs (adds a sync per phase)
 Request = tuple[str, list[int], SamplingParams, str | None]
 
 
@@ -230,7 +231,9 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
                 j = k // 4
                 name = f"xw{j}" if arrivals == "warm" else f"xc{tag}{j}"
                 if arrivals == "cold":
+                    t = time.perf_counter()
                     eng.load_adapter(name, str(paths[12 + j]), wait=False)
+                    register_s.append(time.perf_counter() - t)
                 eng.add_request(
                     f"xq{tag}{k}", prompt, SamplingParams(max_tokens=4, ignore_eos=True), name, lambda o: None
                 )
@@ -243,14 +246,37 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
         eng.run_until_idle()
         return out
 
+    register_s: list[float] = []
     gaps("none", "warmup")
-    steady, warm, cold = gaps("none", "s"), gaps("warm", "w"), gaps("cold", "c")
+    steady, warm = gaps("none", "s"), gaps("warm", "w")
+    if TRACE:
+        eng.step_trace = []
+    cold = gaps("cold", "c")
+    if TRACE:
+        print_trace(eng, "cold joins")
+        print(f"  [cold joins] register (validate + submit) on the caller's thread: max {max(register_s) * 1e3:.1f} ms")
     report(
         f"(d) others' inter-token latency p99: steady {p99(steady) * 1e3:.2f} ms; while 12 warm-adapter requests "
         f"join {p99(warm) * 1e3:.2f} ms ({p99(warm) / p99(steady):.2f}x steady); while 12 cold-adapter requests "
         f"join and load {p99(cold) * 1e3:.2f} ms ({p99(cold) / p99(steady):.2f}x steady, "
         f"{p99(cold) / p99(warm):.2f}x the warm joins: the loads' own share)"
     )
+
+
+def print_trace(eng: LLMEngine, label: str) -> None:
+    """The slowest steps of `eng.step_trace` by phase (diagnostics; --trace)."""
+    trace = eng.step_trace or []
+    names = ("schedule", "decode", "prefill", "eager", "sample")
+    if not trace:
+        return
+    mean = [statistics.fmean(t[0][i] if i < len(t[0]) else 0.0 for t in trace) * 1e3 for i in range(5)]
+    print(
+        f"  [{label}] {len(trace)} steps; mean ms " + " ".join(f"{n} {m:.2f}" for n, m in zip(names, mean, strict=True))
+    )
+    for phases, (admitted, misses) in sorted(trace, key=lambda t: -sum(t[0]))[:5]:
+        ms = " ".join(f"{n} {p * 1e3:.1f}" for n, p in zip(names, phases, strict=True))
+        print(f"  [{label}] slow step {sum(phases) * 1e3:.1f} ms: {ms}; admitted {admitted}, slot misses {misses}")
+    eng.step_trace = None
 
 
 def zipf_trace(n: int, adapters: int, s: float, seed: int) -> list[int]:
@@ -314,7 +340,11 @@ def section_zipf(b: Bench, prompt: list[int], requests: int, rate: float) -> Non
         if policy == "frequency":
             results["one adapter"] = (timed_traffic(eng, prompt, ["z0"] * requests, rate), 1.0)
         hits0, misses0 = eng.pool.slot_hits, eng.pool.slot_misses
+        if TRACE:
+            eng.step_trace = []
         ttfts = timed_traffic(eng, prompt, [f"z{i}" for i in trace], rate)
+        if TRACE:
+            print_trace(eng, f"zipf {policy}")
         hits, misses = eng.pool.slot_hits - hits0, eng.pool.slot_misses - misses0
         results[policy] = (ttfts, hits / max(hits + misses, 1))
         eng.stop()
@@ -381,7 +411,10 @@ def main() -> None:
     ap.add_argument("--zipf-requests", type=int, default=1500)
     ap.add_argument("--zipf-rate", type=float, default=150.0)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (no figures)")
+    ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
     args = ap.parse_args()
+    global TRACE
+    TRACE = args.trace
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"device: {name}, torch {torch.__version__}", flush=True)
     b = Bench(args)

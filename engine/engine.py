@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,22 @@ class EngineStats:
     kv_slots_used: int
     steps: int
     tokens_generated: int
+
+
+class _StepTrace:
+    """Phase timer for `LLMEngine.step_trace` (benchmarks only)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.phases: list[float] = []
+        self._last = time.perf_counter()
+
+    def mark(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.phases.append(now - self._last)
+        self._last = now
 
 
 class LLMEngine:
@@ -91,6 +108,9 @@ class LLMEngine:
         self._live: dict[str, Sequence] = {}
         self.steps = 0
         self.tokens_generated = 0
+        # Benchmarks set a list here to get each step's phases: (schedule, decode, prefill, eager, sample)
+        # seconds and (admitted, slot misses); each phase ends with a device sync while it is set.
+        self.step_trace: list[tuple[tuple[float, ...], tuple[int, int]]] | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def _kv_slots(self) -> int:
@@ -291,10 +311,14 @@ class LLMEngine:
         On CUDA the decoding requests run as a captured graph and the prefills as a separate eager pass, so
         a prefill joining the batch adds its own time to the step but never takes the others off the graph.
         """
+        trace = _StepTrace(self.device) if self.step_trace is not None else None
+        misses = self.pool.slot_misses
         admitted = set(self.scheduler.schedule())
         running = list(self.scheduler.running)
         if not running:
             return
+        if trace:
+            trace.mark()
         order: list[Sequence] = []
         parts: list[torch.Tensor] = []
         eager = list(running)
@@ -304,16 +328,25 @@ class LLMEngine:
             if logits is not None:
                 order, parts = decoding, [logits]
                 eager = [s for s in running if s in admitted]
+        if trace:
+            trace.mark()
         if self.prefill_graphs is not None:
             for seq in [s for s in eager if s in admitted]:
                 logits = self.prefill_graphs.run(seq.prompt_ids, seq.kv_slot, seq.lora_slot)
                 if logits is not None:
                     order, parts = [*order, seq], [*parts, logits]
                     eager.remove(seq)
+        if trace:
+            trace.mark()
         if eager:
             order, parts = order + eager, [*parts, self._forward_eager(eager, admitted)]
+        if trace:
+            trace.mark()
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         tokens = sample(logits, [s.params for s in order], [s.generator for s in order])
+        if trace and self.step_trace is not None:
+            trace.mark()
+            self.step_trace.append((tuple(trace.phases), (len(admitted), self.pool.slot_misses - misses)))
         self.steps += 1
         for seq, token in zip(order, tokens, strict=True):
             self._append(seq, token)
