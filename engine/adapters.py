@@ -118,8 +118,8 @@ def _check_weights_header(folder: Path, arch: ModelArch, rank: int) -> frozenset
     return frozenset(modules)
 
 
-def load_adapter(spec: AdapterSpec, dtype: torch.dtype) -> AdapterWeights:
-    """Read the adapter's tensors into host memory (pinned when CUDA is available)."""
+def load_adapter(spec: AdapterSpec, dtype: torch.dtype, pin: bool | None = None) -> AdapterWeights:
+    """Read the adapter's tensors into host memory (pinned by default when CUDA is available)."""
     from safetensors import SafetensorError
     from safetensors.torch import load
 
@@ -140,7 +140,7 @@ def load_adapter(spec: AdapterSpec, dtype: torch.dtype) -> AdapterWeights:
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"{spec.path}: layer {key[0]} {key[1]} lacks lora_{'B' if 'A' in pair else 'A'}")
         tensors[key] = (pair["A"], pair["B"])
-    host, flat = _host_copy(tensors, dtype)
+    host, flat = _host_copy(tensors, dtype, torch.cuda.is_available() if pin is None else pin)
     if not torch.isfinite(flat).all():  # one check over the whole buffer; find the culprit only on failure
         name = next(
             f"{key[1]} of layer {key[0]}" for key, pair in host.items() if not all(t.isfinite().all() for t in pair)
@@ -150,7 +150,7 @@ def load_adapter(spec: AdapterSpec, dtype: torch.dtype) -> AdapterWeights:
 
 
 def _host_copy(
-    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
+    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype, pin: bool
 ) -> tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """All of an adapter's tensors as views of one host buffer (returned too), page-locked when a GPU will
     read it.
@@ -160,7 +160,7 @@ def _host_copy(
     background thread, and every separate torch call there waits for the GIL held by the engine's loop.
     """
     total = sum(a.numel() + b.numel() for a, b in tensors.values())
-    buffer = torch.empty(total, dtype=dtype, pin_memory=torch.cuda.is_available())
+    buffer = torch.empty(total, dtype=dtype, pin_memory=pin)
     out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []

@@ -38,16 +38,30 @@ class AdapterWeights:
     scaling: float
     modules: frozenset[str]
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    # For fused (CUDA) stacks, `LoRAStacks.pack` replaces `tensors` by the adapter's image of one slot:
+    # per (layer, group) in `packed_keys`, the group's A block then its B block, zero-padded to max rank.
+    packed: torch.Tensor | None = None
+    packed_keys: tuple[tuple[int, str], ...] = ()
 
     @property
     def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.tensors.values())
+        loose = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.tensors.values())
+        return loose + (0 if self.packed is None else self.packed.numel() * self.packed.element_size())
 
 
 class LoRAStacks:
     """Preallocated stacked adapter weights for `slots` adapters of rank <= `max_rank`."""
 
-    def __init__(self, arch: ModelArch, slots: int, max_rank: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        arch: ModelArch,
+        slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        fused: bool | None = None,
+    ):
+        """`fused` (default: on CUDA) lays each projection group out as one stack (see below)."""
         self.slots, self.max_rank, self.dtype = slots, max_rank, dtype
         shapes = arch.projection_shapes()
         self.a: dict[tuple[int, str], torch.Tensor] = {}
@@ -58,7 +72,8 @@ class LoRAStacks:
         self.group_a: dict[tuple[int, str], torch.Tensor] = {}
         self.group_b: dict[tuple[int, str], torch.Tensor] = {}
         self.group_slices = {g: tuple(shapes[m][1] for m in members) for g, members in PROJECTION_GROUPS.items()}
-        fused = device.type == "cuda"
+        fused = device.type == "cuda" if fused is None else fused
+        self.fused = fused
         for layer in range(arch.num_layers):
             for group, members in PROJECTION_GROUPS.items():
                 fan_in = shapes[members[0]][0]
@@ -97,12 +112,49 @@ class LoRAStacks:
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ready: list[torch.cuda.Event | None] = [None] * slots
 
+    def pack(self, adapter: AdapterWeights) -> AdapterWeights:
+        """The adapter as one host buffer in slot layout (fused stacks; pinned when CUDA is present), so
+        `set_lora` moves it with one host->device copy and one multi-tensor device copy instead of a copy
+        per tensor. Groups the adapter leaves alone are not stored (their group rank of 0 skips them)."""
+        if not self.fused:
+            return adapter
+        keys = tuple(k for k in self.group_a if adapter.modules.intersection(PROJECTION_GROUPS[k[1]]))
+        total = sum(self.group_a[k][0].numel() + self.group_b[k][0].numel() for k in keys)
+        buffer = torch.zeros(total, dtype=self.dtype, pin_memory=torch.cuda.is_available())
+        images = self._images(buffer, keys)
+        r, dst, src = adapter.rank, [], []
+        for (layer, group), (a_img, b_img) in zip(keys, images, strict=True):
+            n0 = 0
+            for i, (module, width) in enumerate(zip(PROJECTION_GROUPS[group], self.group_slices[group], strict=True)):
+                pair = adapter.tensors.get((layer, module))
+                if pair is not None:
+                    dst += [a_img[i * self.max_rank : i * self.max_rank + r], b_img[n0 : n0 + width, :r]]
+                    src += list(pair)
+                n0 += width
+        if dst:
+            torch._foreach_copy_(dst, src)
+        return AdapterWeights(adapter.rank, adapter.scaling, adapter.modules, {}, buffer, keys)
+
+    def _images(
+        self, buffer: torch.Tensor, keys: tuple[tuple[int, str], ...]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Views of `buffer` shaped like one slot of each key's group stacks (A block, then B block)."""
+        out, offset = [], 0
+        for key in keys:
+            a, b = self.group_a[key][0], self.group_b[key][0]
+            a_img = buffer[offset : offset + a.numel()].view(a.shape)
+            offset += a.numel()
+            out.append((a_img, buffer[offset : offset + b.numel()].view(b.shape)))
+            offset += b.numel()
+        return out
+
     def set_lora(self, slot: int, adapter: AdapterWeights) -> None:
         """Copy `adapter` into `slot` (replacing whatever was there).
 
         On CUDA the copies run on a side stream, ordered after the work already queued (which may still
         read the slot's previous adapter); the next step that uses the slot waits for them (`wait_ready`).
-        All copies and zeroing go out as two multi-tensor calls, not one launch per tensor.
+        A packed adapter (`pack`) is one host->device copy and one multi-tensor device copy; a loose one
+        is one multi-tensor zeroing and one multi-tensor copy.
         """
         if adapter.rank > self.max_rank:
             raise ValueError(f"rank {adapter.rank} exceeds the engine's max_lora_rank {self.max_rank}")
@@ -111,17 +163,10 @@ class LoRAStacks:
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            _zero(self._stale_views(slot, adapter))
-            dst: list[torch.Tensor] = []
-            src: list[torch.Tensor] = []
-            for key, (a, b) in adapter.tensors.items():
-                dst += [self.a[key][slot, :r], self.b[key][slot, :, :r]]
-                src += [a, b]
-                if key in self.bt:
-                    dst.append(self.bt[key][slot * self.max_rank : slot * self.max_rank + r])
-                    src.append(b.t())
-            if dst:
-                torch._foreach_copy_(dst, src, non_blocking=True)
+            if adapter.packed is not None:
+                self._copy_packed(slot, adapter)
+            else:
+                self._copy_loose(slot, adapter)
             self.ranks[slot] = r
             self.scalings[slot] = adapter.scaling
             for group, ranks in self.group_ranks.items():
@@ -133,6 +178,30 @@ class LoRAStacks:
         self.slot_ranks[slot] = r
         self.slot_scalings[slot] = adapter.scaling
         self.slot_modules[slot] = adapter.modules
+
+    def _copy_packed(self, slot: int, adapter: AdapterWeights) -> None:
+        # Whole group blocks are overwritten (zero padding included) and other groups get rank 0, so the
+        # slot's previous adapter needs no zeroing.
+        assert adapter.packed is not None
+        staging = adapter.packed.to(self.group_ranks["qkv"].device, non_blocking=True)
+        dst = [t for key in adapter.packed_keys for t in (self.group_a[key][slot], self.group_b[key][slot])]
+        src = [t for pair in self._images(staging, adapter.packed_keys) for t in pair]
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+    def _copy_loose(self, slot: int, adapter: AdapterWeights) -> None:
+        r = adapter.rank
+        _zero(self._stale_views(slot, adapter))
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for key, (a, b) in adapter.tensors.items():
+            dst += [self.a[key][slot, :r], self.b[key][slot, :, :r]]
+            src += [a, b]
+            if key in self.bt:
+                dst.append(self.bt[key][slot * self.max_rank : slot * self.max_rank + r])
+                src.append(b.t())
+        if dst:
+            torch._foreach_copy_(dst, src, non_blocking=True)
 
     def wait_ready(self, slots: Iterable[int]) -> None:
         """Make the current stream wait for pending copies into `slots` (CUDA; no-op elsewhere)."""

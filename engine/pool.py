@@ -219,9 +219,16 @@ class AdapterPool:
         self.loads_started += 1
         version.error = None
         version.settled.clear()
-        future = self._executor.submit(load_adapter, version.spec, self._dtype)
+        future = self._executor.submit(self._read, version.spec)
         version.loading = future
         future.add_done_callback(functools.partial(self._loaded, version))
+
+    def _read(self, spec: AdapterSpec) -> AdapterWeights:
+        """Disk -> host memory, on a loader thread; for fused stacks straight into the slot layout."""
+        stacks = self._stacks
+        return (
+            stacks.pack(load_adapter(spec, self._dtype, pin=False)) if stacks.fused else load_adapter(spec, self._dtype)
+        )
 
     def _loaded(self, version: AdapterVersion, future: Future[AdapterWeights]) -> None:
         try:

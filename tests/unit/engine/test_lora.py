@@ -98,3 +98,32 @@ def test_replacing_an_adapter_leaves_nothing_of_the_old_one(stacks: LoRAStacks) 
             assert torch.count_nonzero(stacks.a[(layer, module)][1]) == 0
             assert torch.count_nonzero(stacks.b[(layer, module)][1]) == 0
     assert stacks.slot_ranks[1] == 2 and stacks.slot_modules[1] == {"q_proj"}
+
+
+def test_packed_adapters_fill_fused_stacks_like_loose_copies() -> None:
+    """Fused stacks (the CUDA layout, here on the CPU) filled from packed slot images hold exactly what
+    per-projection copies write, replacements included, and zero group ranks where an adapter is absent."""
+    fused = LoRAStacks(TINY, slots=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"), fused=True)
+    loose = LoRAStacks(TINY, slots=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    first = random_adapter(8, 1.0, ("q_proj", "v_proj", "o_proj"), seed=4)
+    second = random_adapter(4, 2.0, ("k_proj", "gate_proj"), seed=5)
+    for adapter in (first, second):  # the second replaces the first in slot 1
+        packed = fused.pack(adapter)
+        assert packed.packed is not None and not packed.tensors
+        fused.set_lora(1, packed)
+        loose.set_lora(1, adapter)
+    for layer in range(TINY.num_layers):
+        for module in ("k_proj", "gate_proj", "up_proj"):  # the groups slot 1 uses now
+            torch.testing.assert_close(fused.a[(layer, module)][1], loose.a[(layer, module)][1])
+            torch.testing.assert_close(fused.b[(layer, module)][1], loose.b[(layer, module)][1])
+    ranks = {g: int(r[1]) for g, r in fused.group_ranks.items()}
+    assert ranks == {"qkv": 4, "o": 0, "gate_up": 4, "down": 0}  # o and down hold stale weights: skipped
+    x = torch.randn(3, TINY.hidden_size)
+    y_fused = torch.zeros(3, 2 * TINY.intermediate_size)
+    y_loose = torch.zeros(3, 2 * TINY.intermediate_size)
+    for stacks, y in ((fused, y_fused), (loose, y_loose)):
+        batch = LoRABatch.build(stacks, [1, -1, 1], torch.device("cpu"))
+        assert batch is not None
+        batch.apply_group(0, "gate_up", x, y)
+    torch.testing.assert_close(y_fused, y_loose)
+    assert y_fused[1].abs().sum() == 0 and y_fused[0].abs().sum() > 0
