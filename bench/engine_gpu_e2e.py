@@ -199,6 +199,22 @@ def section_cold_start(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
         f"(d) cold start TTFT p50: warm {p50(warm) * 1e3:.2f} ms, host RAM {p50(host) * 1e3:.2f} ms "
         f"({p50(host) / p50(warm):.2f}x warm), disk {p50(disk) * 1e3:.2f} ms (+{(p50(disk) - p50(warm)) * 1e3:.1f} ms)"
     )
+    version = eng.pool.lookup("h1")
+    packed = None if version is None or version.weights is None else version.weights.packed
+    if packed is not None and torch.cuda.is_available():  # what one host-RAM cold start has to move
+        packed.to("cuda", non_blocking=True)
+        sync()
+        times = []
+        for _ in range(10):
+            t = time.perf_counter()
+            packed.to("cuda", non_blocking=True)
+            sync()
+            times.append(time.perf_counter() - t)
+        size = packed.numel() * packed.element_size()
+        report(
+            f"(d) one adapter's slot image: {size / 2**20:.1f} MiB, pinned host->GPU p50 {p50(times) * 1e3:.2f} ms "
+            f"({size / p50(times) / 1e9:.1f} GB/s)"
+        )
 
 
 def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
