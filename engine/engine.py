@@ -94,12 +94,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, self.pool, config.max_num_batched_tokens)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self._prefill_stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            pool = torch.cuda.graph_pool_handle()
-            self.graphs = DecodeGraphs(self.model, self.kv, self.stacks, self.kv.total, pool)
+            self.graphs = DecodeGraphs(self.model, self.kv, self.stacks, self.kv.total, torch.cuda.graph_pool_handle())
             self.graphs.capture_all()
-            self.prefill_graphs = PrefillGraphs(self.model, self.kv, self.stacks, pool)
+            # Prefills replay on their own stream, concurrently with the decode graph: their own memory pool.
+            self.prefill_graphs = PrefillGraphs(self.model, self.kv, self.stacks, torch.cuda.graph_pool_handle())
             self.prefill_graphs.capture_all()
+            self._prefill_stream = torch.cuda.Stream(self.device)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stop = threading.Event()
@@ -308,8 +310,9 @@ class LLMEngine:
     def step(self) -> None:
         """One step: prefill newly admitted requests, decode one token for all running ones.
 
-        On CUDA the decoding requests run as a captured graph and the prefills as a separate eager pass, so
-        a prefill joining the batch adds its own time to the step but never takes the others off the graph.
+        On CUDA the decoding requests run as one captured graph and each new prompt as a captured prefill
+        graph on a second stream, so the GPU overlaps them; prompts longer than the prefill buckets (and
+        decode batches no bucket holds) run eagerly.
         """
         trace = _StepTrace(self.device) if self.step_trace is not None else None
         misses = self.pool.slot_misses
@@ -322,20 +325,29 @@ class LLMEngine:
         order: list[Sequence] = []
         parts: list[torch.Tensor] = []
         eager = list(running)
+        prefilled: list[tuple[Sequence, torch.Tensor]] = []
+        if self.prefill_graphs is not None and self._prefill_stream is not None and admitted:
+            # Enqueued first, on a second stream: the GPU runs these prefills alongside the decode graph
+            # below (both are chains of small kernels), so joining requests barely delay the running ones.
+            main = torch.cuda.current_stream(self.device)
+            self._prefill_stream.wait_stream(main)
+            with torch.cuda.stream(self._prefill_stream):
+                for seq in [s for s in running if s in admitted]:
+                    logits = self.prefill_graphs.run(seq.prompt_ids, seq.kv_slot, seq.lora_slot)
+                    if logits is not None:
+                        prefilled.append((seq, logits))
+                        eager.remove(seq)
         if self.graphs is not None:
             decoding = [s for s in running if s not in admitted]
             logits = self._decode_graphed(decoding) if decoding else None
             if logits is not None:
                 order, parts = decoding, [logits]
-                eager = [s for s in running if s in admitted]
+                eager = [s for s in eager if s in admitted]
         if trace:
             trace.mark()
-        if self.prefill_graphs is not None:
-            for seq in [s for s in eager if s in admitted]:
-                logits = self.prefill_graphs.run(seq.prompt_ids, seq.kv_slot, seq.lora_slot)
-                if logits is not None:
-                    order, parts = [*order, seq], [*parts, logits]
-                    eager.remove(seq)
+        if prefilled and self._prefill_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._prefill_stream)
+            order, parts = order + [s for s, _ in prefilled], parts + [t for _, t in prefilled]
         if trace:
             trace.mark()
         if eager:

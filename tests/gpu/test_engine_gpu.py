@@ -183,3 +183,26 @@ def test_cuda_graphs_and_fused_lora_match_the_cpu_engine(
         assert _generate(graphed, requests, tokens=16) == _generate(cpu, requests, tokens=16)
     finally:
         cpu.stop()
+
+
+def test_prompts_joining_running_decodes_match_eager(engines: tuple[LLMEngine, LLMEngine]) -> None:
+    """New prompts prefill on a second stream while the running batch decodes in its graph."""
+    eager, graphed = engines
+    prompts = _prompts(eager, 6)
+    names: list[str | None] = [None, "r16", "r8-qv", "r16", None, "r4-mlp"]
+    results = []
+    for engine in (eager, graphed):
+        out: dict[int, list[int]] = {i: [] for i in range(6)}
+        tag = f"join{engine.steps}"
+        for i in range(6):
+            if i == 3:  # the first three are decoding by now
+                for _ in range(5):
+                    engine._drain_commands()
+                    engine.step()
+            params = SamplingParams(max_tokens=20, ignore_eos=True)
+            engine.add_request(
+                f"{tag}-{i}", prompts[i], params, names[i], lambda o, i=i, out=out: out[i].extend(o.token_ids)
+            )
+        engine.run_until_idle()
+        results.append([out[i] for i in range(6)])
+    assert results[0] == results[1]
