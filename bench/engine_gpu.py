@@ -5,7 +5,9 @@ of a whole decode layer. Run on a CUDA machine: `PYTHONPATH=. python3 bench/engi
 
 (a) LoRA time per layer (shrink + expand of q, k, v, o, gate, up, down; q/k/v and gate/up fused), decode
     batch 64, rank 16: 64 distinct adapters, 1 adapter, 8 adapters x 8 tokens, and gather + bmm.
-(c) mixed ranks {8, 16, 32, 64} in one rank-64 stack against uniform rank 16, at equal adapter bytes.
+(c) mixed ranks {8, 16, 32, 64} in one rank-64 stack against uniform rank 16, at equal adapter bytes, with the
+    kernels' default latency options, next to the ratios measured before the kernels followed true ranks.
+    `--only c` runs just (c) (`--quick`: 2 layers, shorter timing).
 (b) one decoder layer's decode step (KV length 512, SDPA, CUDA graph; eager separately): no LoRA,
     1 adapter, 64 distinct adapters, next to the bandwidth bound base_bytes / (base_bytes + adapter_bytes);
     with the current kernels and with the best latency variant of (l).
@@ -119,6 +121,7 @@ class Variant:
 
 CURRENT = Variant("current")
 VARIANTS = (CURRENT, Variant("+pdl", pdl=True), Variant("+short", short_chain=True), Variant("+both", True, True))
+DEFAULTS = Variant("defaults", pdl=kt.PDL_BY_DEFAULT, short_chain=kt.SHORT_CHAIN_BY_DEFAULT)  # what the engine runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -474,37 +477,67 @@ def sweep(stack: LayerStack, scen: dict[str, list[int]], quick: bool) -> Configs
     return Configs(best_s[1], best_e[1])
 
 
+# (c) before the kernels followed each chunk's true rank (bench/RESULTS-gpu.md, latency options off), as ratios
+# to uniform 16 in a rank-16 stack: chunks of 1, chunks of 16.
+OLD_MIXED = {
+    "uniform 16 (stack R=64)": (2.62, 2.37),
+    "mixed 8/16/32/64 (R=64)": (2.62, 2.39),
+    "all 64 (4x the bytes)": (3.04, 2.65),
+}
+
+
 def section_mixed(args: argparse.Namespace, configs: dict[int, Configs], bw: float) -> None:
-    print("\n(c) mixed ranks, 64 distinct adapters, equal adapter bytes")
+    """(c) with the kernels' default latency options; shrink and expand also timed apart for the two stacks
+    the goal compares (mixed <= 1.05x uniform 16 at equal bytes)."""
+    print("\n(c) mixed ranks, 64 distinct adapters, equal adapter bytes (ratios to uniform 16 in a rank-16 stack)")
     gen = torch.Generator().manual_seed(1)
     mixed = [8] * 40 + [16] * 12 + [32] * 8 + [64] * 4  # sum of ranks 1024 = 64 x 16
     mixed = [mixed[i] for i in torch.randperm(SLOTS, generator=gen).tolist()]
     layers = 2 if args.quick else 4
     slots = torch.randperm(SLOTS, generator=gen).tolist()
+    base, goal = "uniform 16 (stack R=16)", "mixed 8/16/32/64 (R=64)"
     variants = {
-        "uniform 16 (stack R=16)": ([RANK] * SLOTS, RANK),
+        base: ([RANK] * SLOTS, RANK),
         "uniform 16 (stack R=64)": ([RANK] * SLOTS, 64),
-        "mixed 8/16/32/64 (R=64)": (mixed, 64),
+        goal: (mixed, 64),
         "all 64 (4x the bytes)": ([64] * SLOTS, 64),
     }
-    for block_m, cfg in configs.items():
+    for column, (block_m, cfg) in enumerate(configs.items()):
+        cfg = replace(cfg, variant=DEFAULTS)
         times: dict[str, float] = {}
+        halves: dict[str, tuple[float, float]] = {}
         for name, (ranks, max_rank) in variants.items():
             stack = LayerStack(ranks, max_rank, layers, block_m)
             stack.use(slots)
             check_lora(stack.loras[0], slots, partial(_run, stack.loras[0], plan=stack.plan, cfg=cfg), name)
-            times[name] = stack.per_layer_us(partial(_run, plan=stack.plan, cfg=cfg), args.quick)
+            graph = stack.graph(partial(_run, plan=stack.plan, cfg=cfg))
+            check_lora(stack.loras[0], slots, graph.replay, name + " (graph)")
+            times[name] = median_us(graph.replay, args.quick) / layers
+            del graph
+            if name in (base, goal):
+                halves[name] = (
+                    stack.per_layer_us(partial(_run, plan=stack.plan, cfg=cfg, expand=False), args.quick),
+                    stack.per_layer_us(partial(_run, plan=stack.plan, cfg=cfg, shrink=False), args.quick),
+                )
             nbytes = sum(adapter_bytes(r) for r in ranks) + activation_bytes()
+            ratio = times[name] / times[base]
+            old = f"(was x{OLD_MIXED[name][column]:.2f})" if name in OLD_MIXED else ""
             print(
-                f"  chunks of {block_m:2d}: {name:26s} {times[name]:7.1f} us/layer   floor {nbytes / bw * 1e6:5.1f} us"
+                f"  chunks of {block_m:2d}: {name:26s} {times[name]:7.1f} us/layer  x{ratio:.2f} {old:12s} "
+                f"floor {nbytes / bw * 1e6:5.1f} us"
             )
             del stack
             torch.cuda.empty_cache()
-        rel = {name: t / times["uniform 16 (stack R=16)"] for name, t in times.items()}
+        for name, (shrink_us, expand_us) in halves.items():
+            print(f"  chunks of {block_m:2d}: {name:26s} shrink+memset {shrink_us:6.1f} us, expand {expand_us:6.1f} us")
+        rel = {name: t / times[base] for name, t in times.items()}
+        verdict = "met" if rel[goal] <= 1.05 else "NOT met"
         SUMMARY.append(
-            f"(c) chunks of {block_m:2d}: mixed/uniform-16 at equal bytes x{rel['mixed 8/16/32/64 (R=64)']:.2f} "
-            f"(uniform 16 in an R=64 stack x{rel['uniform 16 (stack R=64)']:.2f}; "
-            f"all rank 64 x{rel['all 64 (4x the bytes)']:.2f}); uniform 16: {times['uniform 16 (stack R=16)']:.1f} us"
+            f"(c) chunks of {block_m:2d}, {DEFAULTS.name}: mixed/uniform-16 at equal bytes x{rel[goal]:.2f} "
+            f"(was x{OLD_MIXED[goal][column]:.2f}; goal <= 1.05 {verdict}); uniform 16 in an R=64 stack "
+            f"x{rel['uniform 16 (stack R=64)']:.2f} (was x{OLD_MIXED['uniform 16 (stack R=64)'][column]:.2f}); "
+            f"all rank 64 x{rel['all 64 (4x the bytes)']:.2f}; uniform 16: {times[base]:.1f} us; shrink/expand "
+            + ", ".join(f"{n.split(' (')[0]} {sh:.1f}/{ex:.1f} us" for n, (sh, ex) in halves.items())
         )
 
 

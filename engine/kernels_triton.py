@@ -7,33 +7,40 @@ matrix-vector bodies, so a batch of distinct adapters wastes no tile rows. Both 
 projections sharing an input at once ("slices": fused q/k/v, gate/up).
 
 The launch grid is fixed (`programs` programs, so a CUDA graph can replay any batch that fits the plan);
-each program reads the number of real chunks and spreads them over the grid itself: few chunks get many
-programs each (split over K or N), many chunks get few each. Padding programs exit after one load.
+each program reads the number of real chunks and spreads them over the grid itself. A work unit is a
+(chunk, slice, rank block of 16) that holds some of the chunk's rank: every program scans the plan's ranks, so
+a chunk of rank 64 gets 4 units per slice and one of rank 8 gets 1, whatever the stack's R (`_locate`; plans
+of over `_MAX_SCANNED_CHUNKS` chunks give every chunk R/16 and drop the units past its rank). Few units get
+many programs each (split over K or N), many units get few each. Padding programs exit early. (Shrink's rank
+block is `ShrinkConfig.block_r`, 16 by default.)
 
 - shrink reads `a_stack[S, L*R, K]` (the slices' A stacked along the rank axis) and adds into a zeroed
   fp32 `h[T, L*R]` (atomic adds, one per K split):
 
-      for chunk c, row block rb, K range Kp:          # one program each
-          s = chunk_slot[c]; rows = [rb*BLOCK_R, ...) that are < L*R and (row % R) < ranks[s]
+      for chunk c, slice l, rank block rb < cdiv(ranks[s], 16), K range Kp:    # one program each
+          s = chunk_slot[c]; rows = l*R + [rb*16, rb*16 + 16) that are < l*R + ranks[s]
           for t in tokens of c:
               h[t, rows] += a_stack[s, rows, Kp] @ x[t, Kp]
 
 - expand reads `b_stack[S, N0+...+N(L-1), R]` (the slices' B stacked along the output axis) and adds into
-  the fused output `y[T, N0+...]` in place; slice l uses columns [l*R, l*R + ranks[s]) of h:
+  the fused output `y[T, N0+...]` in place; slice l uses columns [l*R, l*R + ranks[s]) of h. The programs
+  of a (chunk, slice)'s units split its columns, each looping over the rank in blocks of 16:
 
-      for chunk c, slice l, column range Np:          # one program each
+      for chunk c, slice l, column range Np:          # a rank-64 chunk: 4x the programs of a rank-16 one
           s = chunk_slot[c]
           for t in tokens of c:
               y[t, Np] += scalings[s] * b_stack[s, Np, :ranks[s]] @ h[t, l*R : l*R + ranks[s]]
 
-Weights past a slot's rank are never loaded (masked, and whole rank blocks of the shrink exit at once), so
-a batch of mixed ranks costs its true bytes, not every adapter padded to the stack's R. Tokens with slot -1
-are in no chunk: their h rows stay zero and their y rows untouched. The torch definitions live in
-`engine.kernels`.
+A rank block past a slot's rank is never loaded, so a batch of mixed ranks costs its true bytes and its
+programs follow its true ranks, not every adapter padded to the stack's R. Within the last block, expand
+loads B's columns up to the block's end (zero by the layout contract, and met by h masked to zero) so that
+its loads stay 16 bytes wide; shrink masks A's rows at the rank. Tokens with slot -1 are in no chunk: their h
+rows stay zero and their y rows untouched. The torch definitions live in `engine.kernels`.
 
 Latency: at decode sizes a program spends most of its time waiting on a chain of dependent loads (chunk
-count -> chunk row -> rank, first token -> x / weights) and on the previous launch. Two options cut it, each
-a keyword of `shrink` / `expand` (and `kernels.lora_apply`), compared by `bench/engine_gpu.py --pdl-only`:
+count and the plan's ranks -> chunk row -> first token -> x / weights) and on the previous launch. Two
+options cut it, each a keyword of `shrink` / `expand` (and `kernels.lora_apply`), compared by
+`bench/engine_gpu.py --pdl-only`:
 - `pdl` (programmatic dependent launch, Hopper and later): the kernel is launched while the previous one in
   the stream finishes, and reads everything no kernel of the step writes (plan, ranks, scalings, the first
   weight tile) before `gdc_wait`, the activations (x; h and y) only after it. Sound because plan, ranks,
@@ -41,7 +48,7 @@ a keyword of `shrink` / `expand` (and `kernels.lora_apply`), compared by `bench/
   The interpreter runs the same load order without the wait (it has no griddepcontrol); pre-Hopper GPUs
   ignore the option.
 - `short_chain`: the chunk row carries its first token, so per-token programs need no `token_order` load,
-  and token and activation loads are issued before the rank arrives instead of after it.
+  and token and activation loads are issued as soon as the chunk row arrives.
 """
 
 from __future__ import annotations
@@ -151,10 +158,11 @@ def plan_segments(
 
 @dataclass(frozen=True, slots=True)
 class ShrinkConfig:
-    """Launch shape of the shrink kernel: `programs_per_sm` x SMs programs share out the chunks."""
+    """Launch shape of the shrink kernel: `programs_per_sm` x SMs programs share out the chunks. A work unit
+    covers `block_r` rank rows of one slice (16: programs follow each chunk's true rank in steps of 16)."""
 
     block_k: int = 128
-    block_r: int = 64
+    block_r: int = 16
     num_warps: int = 4
     num_stages: int = 3
     programs_per_sm: int = 4
@@ -172,11 +180,12 @@ class ExpandConfig:
 
 def default_configs(block_m: int) -> tuple[ShrinkConfig, ExpandConfig]:
     """Launch shapes per chunk height, from bench/engine_gpu.py --sweep on an H200 (decode batch 64);
-    prefill's keep a 64-row tile's registers under the spill line."""
+    prefill's keep a 64-row tile's registers under the spill line. Shrink's rank blocks are 16 rows at every
+    height (chunks of 16 swept best at 64 when a block could span slices; not re-swept since)."""
     if block_m == 1:
         return ShrinkConfig(block_k=256, block_r=16, programs_per_sm=8), ExpandConfig(block_n=512, programs_per_sm=4)
     if block_m <= 16:
-        return ShrinkConfig(block_k=128, block_r=64, programs_per_sm=8), ExpandConfig(block_n=512, programs_per_sm=8)
+        return ShrinkConfig(block_k=128, block_r=16, programs_per_sm=8), ExpandConfig(block_n=512, programs_per_sm=8)
     return ShrinkConfig(block_k=64, block_r=16), ExpandConfig(block_n=64)
 
 
@@ -237,6 +246,11 @@ def _upcast_dots() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+def _static_loops() -> bool:
+    # Triton's interpreter cannot loop to a run-time bound under numpy >= 2.4 (see _shrink_kernel).
+    return bool(triton.knobs.runtime.interpret)
+
+
 @triton.jit
 def _share(pid: tl.tensor, num_programs: tl.tensor, units: tl.tensor, parts: tl.tensor) -> tuple:
     """Programs per work unit (<= parts), the unit of `pid` and its part; spare programs get unit >= units."""
@@ -276,6 +290,64 @@ def _row_dots(at: tl.tensor, xt: tl.tensor) -> tl.tensor:
     return tl.sum(at.to(tl.float32) * xt.to(tl.float32)[None, :], axis=1)
 
 
+# Rank rows (shrink) or columns (expand) per rank block: the smallest tensor-core K and a 32-byte sector of
+# bf16, so a block of a 16-aligned stack is read with 16-byte vector loads.
+RANK_BLOCK = tl.constexpr(16)
+
+# Plans of up to this many chunks share programs out by true rank (`_locate`); every program scans the plan's
+# slot column once, so larger plans (long prefills in small chunks) fall back to a static share-out.
+_MAX_SCANNED_CHUNKS = 1024
+
+
+@triton.jit
+def _locate(
+    chunks_ptr: tl.tensor,
+    ranks_ptr: tl.tensor,
+    num_real: tl.tensor,
+    n_chunks: tl.tensor,
+    SLICES: tl.constexpr,
+    R_BLOCKS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    MAX_PER: tl.constexpr,
+    CHUNKS: tl.constexpr,
+) -> tuple:
+    """This program's work unit: its chunk, the chunk's rank, its (slice, rank block) `j` of the chunk's
+    SLICES * nb, and its place `sub` among the `per` (<= MAX_PER) programs of each unit; `past` when it has none.
+
+    A chunk has nb = cdiv(rank, BLOCK_R) live rank blocks per slice: with CHUNKS (a power of two >= the plan's
+    chunks) every program scans the real chunks' ranks and units exist only for live blocks, so programs go to
+    chunks in proportion to their true rank, not the stack's. CHUNKS == 0: every chunk gets R_BLOCKS blocks
+    per slice whatever its rank (the caller drops blocks past it) and `rank` is left to the caller (-1)."""
+    pid = tl.program_id(0)
+    if CHUNKS > 0:
+        offs_c = tl.arange(0, CHUNKS)
+        in_plan = offs_c < n_chunks
+        slots_c = tl.load(chunks_ptr + offs_c * 4, mask=in_plan, other=0)
+        ranks_c = tl.load(ranks_ptr + slots_c, mask=in_plan, other=0)
+        units_c = tl.where(offs_c < num_real, (ranks_c + BLOCK_R - 1) // BLOCK_R, 0) * SLICES
+        ends = tl.cumsum(units_c, axis=0)
+        total = tl.sum(units_c, axis=0)
+        per = tl.minimum(tl.maximum(tl.num_programs(0) // tl.maximum(total, 1), 1), MAX_PER)
+        v = pid // per
+        done = ends <= v
+        chunk = tl.sum(done.to(tl.int32), axis=0)
+        begin = tl.max(tl.where(done, ends, 0), axis=0)
+        rank = tl.sum(tl.where(offs_c == chunk, ranks_c, 0), axis=0)
+        nb = tl.maximum((rank + BLOCK_R - 1) // BLOCK_R, 1)
+        past = v >= total
+        j = v - begin
+    else:
+        units = SLICES * R_BLOCKS
+        per = tl.minimum(tl.maximum(tl.num_programs(0) // tl.maximum(num_real * units, 1), 1), MAX_PER)
+        v = pid // per
+        chunk = v // units
+        rank = chunk * 0 - 1
+        nb = chunk * 0 + R_BLOCKS
+        past = chunk >= num_real
+        j = v % units
+    return past, chunk, rank, j, nb, per, pid % per
+
+
 @triton.jit
 def _shrink_kernel(
     x_ptr: tl.tensor,
@@ -286,13 +358,15 @@ def _shrink_kernel(
     num_real_ptr: tl.tensor,
     h_ptr: tl.tensor,
     K: tl.tensor,
-    LR: tl.tensor,
+    n_chunks: tl.tensor,
     r_slice: tl.tensor,
     stride_xt: tl.tensor,
     stride_as: tl.tensor,
     stride_ar: tl.tensor,
     stride_ht: tl.tensor,
+    SLICES: tl.constexpr,
     R_BLOCKS: tl.constexpr,
+    CHUNKS: tl.constexpr,
     K_BLOCKS: tl.constexpr,
     K_ITERS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -300,43 +374,48 @@ def _shrink_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    STATIC_LOOPS: tl.constexpr,
     USE_PDL: tl.constexpr,
     GDC: tl.constexpr,
     SHORT_CHAIN: tl.constexpr,
 ) -> None:
-    # Work unit = (chunk, rank block); its programs split K. K_ITERS bounds the blocks of one split.
+    # Work unit = (chunk, slice, rank block); its programs split K.
     num_real = tl.load(num_real_ptr)
-    splits, unit, split = _share(tl.program_id(0), tl.num_programs(0), num_real * R_BLOCKS, K_BLOCKS)
-    chunk = unit // R_BLOCKS
-    if chunk >= num_real:
+    past, chunk, rank, j, nb, splits, split = _locate(
+        chunks_ptr, ranks_ptr, num_real, n_chunks, SLICES, R_BLOCKS, BLOCK_R, K_BLOCKS, CHUNKS
+    )
+    blocks_per_split = tl.cdiv(K_BLOCKS, splits)
+    k_begin = split * blocks_per_split * BLOCK_K
+    if past | (k_begin >= K):
         _exit_in_order(GDC)
         return
     slot, start, length, first_tok = _chunk_row(chunks_ptr, chunk)
-    rank = tl.load(ranks_ptr + slot)
-    blocks_per_split = tl.cdiv(K_BLOCKS, splits)
-    k_begin = split * blocks_per_split * BLOCK_K
     k_stop = tl.minimum(k_begin + blocks_per_split * BLOCK_K, K)
     offs_k0 = k_begin + tl.arange(0, BLOCK_K)
     k0_ok = offs_k0 < k_stop
     offs_m = tl.arange(0, BLOCK_M)
     tok_ok = offs_m < length
-    if SHORT_CHAIN:  # token loads need only the chunk row: in flight while the rank arrives
+    if SHORT_CHAIN:  # token loads need only the chunk row: in flight beside the rank (or the A tile)
         if BLOCK_M == 1:
             if not USE_PDL:
                 xt_1 = tl.load(x_ptr + first_tok * stride_xt + offs_k0, mask=k0_ok, other=0.0)
         else:
             tok_m = tl.load(order_ptr + start + offs_m, mask=tok_ok, other=0).to(tl.int64)
-    rows = (unit % R_BLOCKS) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = (rows < LR) & ((rows % r_slice) < rank)
-    if tl.max(row_ok.to(tl.int32), axis=0) == 0:
-        _exit_in_order(GDC)
-        return  # this rank block lies wholly past the slot's rank
+    local = (j % nb) * BLOCK_R + tl.arange(0, BLOCK_R)
+    if CHUNKS == 0:
+        rank = tl.load(ranks_ptr + slot)
+        if (j % nb) * BLOCK_R >= rank:
+            _exit_in_order(GDC)
+            return  # this rank block lies wholly past the slot's rank
+    row_ok = local < rank
+    rows = (j // nb) * r_slice + local
     a_rows = a_ptr + slot * stride_as + rows[:, None].to(tl.int64) * stride_ar
     # The first K block may run ahead of the loop: its A tile is read before the previous kernel has
     # finished (PDL), or its x was read before the rank arrived (short chain).
     PEELED: tl.constexpr = 1 if USE_PDL or (SHORT_CHAIN and BLOCK_M == 1) else 0
-    # Compile-time trip counts: triton's interpreter cannot loop to a run-time bound under numpy >= 2.4;
-    # blocks past this split's range are masked off (they move no bytes).
+    # Triton's interpreter cannot loop to a run-time bound under numpy >= 2.4: there the trip count is
+    # K_ITERS, an upper bound, and blocks past this split's range are masked off (they move no bytes).
+    # (Inline in each range(): the interpreter turns an assigned int into a tensor.)
     if BLOCK_M == 1:
         # One token: a plain dot product per row, no tensor-core tile padded to 16 tokens.
         tok = first_tok if SHORT_CHAIN else tl.load(order_ptr + start).to(tl.int64)
@@ -347,7 +426,7 @@ def _shrink_kernel(
             if USE_PDL:
                 xt_1 = tl.load(x_ptr + tok * stride_xt + offs_k0, mask=k0_ok, other=0.0)
             acc_1 += _row_dots(at_1, xt_1)
-        for i in range(PEELED, K_ITERS):
+        for i in range(PEELED, K_ITERS if STATIC_LOOPS else tl.cdiv(k_stop - k_begin, BLOCK_K)):
             offs_k = k_begin + i * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k_stop
             xt = tl.load(x_ptr + tok * stride_xt + offs_k, mask=k_ok, other=0.0)
@@ -366,7 +445,7 @@ def _shrink_kernel(
             if UPCAST:
                 xt0, at0 = xt0.to(tl.float32), at0.to(tl.float32)
             acc = tl.dot(xt0, tl.trans(at0), acc, input_precision=PRECISION)
-        for i in range(PEELED, K_ITERS):
+        for i in range(PEELED, K_ITERS if STATIC_LOOPS else tl.cdiv(k_stop - k_begin, BLOCK_K)):
             offs_k = k_begin + i * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k_stop
             xt = tl.load(x_rows + offs_k[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0.0)
@@ -379,6 +458,77 @@ def _shrink_kernel(
 
 
 @triton.jit
+def _b_block(b_rows: tl.tensor, n_ok: tl.tensor, rb: tl.tensor, R_SLICE: tl.constexpr) -> tl.tensor:
+    """Columns [rb*RANK_BLOCK, +RANK_BLOCK) of a B tile (`b_rows`: its rows' starts). Columns past the rank
+    are zero by the layout and meet zeros of h, so only the stack's edge masks them: a mask constant along
+    the block keeps the loads 16 bytes wide (a mask at the rank made them 2 bytes wide)."""
+    offs_r = rb * RANK_BLOCK + tl.arange(0, RANK_BLOCK)
+    if R_SLICE // RANK_BLOCK * RANK_BLOCK == R_SLICE:  # (the interpreter lacks int % constexpr)
+        return tl.load(b_rows + offs_r[None, :], mask=n_ok[:, None], other=0.0)
+    return tl.load(b_rows + offs_r[None, :], mask=n_ok[:, None] & (offs_r < R_SLICE)[None, :], other=0.0)
+
+
+@triton.jit
+def _h_block(h_rows: tl.tensor, rank: tl.tensor, rb: tl.tensor, B_DTYPE: tl.constexpr) -> tl.tensor:
+    """Columns [rb*RANK_BLOCK, +RANK_BLOCK) of h (`h_rows`: the rows' starts, [M, 1] or a scalar pointer),
+    zero past the rank, rounded as the reference rounds h to the activations' dtype and back to fp32. A tile's
+    padding rows point at token 0: read, never stored."""
+    offs_r = rb * RANK_BLOCK + tl.arange(0, RANK_BLOCK)
+    h = tl.load(h_rows + offs_r, mask=offs_r < rank, other=0.0)
+    return h.to(B_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _token_delta(
+    bt0: tl.tensor,
+    h0: tl.tensor,
+    b_rows: tl.tensor,
+    n_ok: tl.tensor,
+    h_row: tl.tensor,
+    rank: tl.tensor,
+    R_BLOCKS: tl.constexpr,
+    R_SLICE: tl.constexpr,
+    STATIC_LOOPS: tl.constexpr,
+) -> tl.tensor:
+    """B[cols, :rank] @ h[:rank] for one token, given rank block 0 of B and h; later blocks only up to the
+    rank (a branch, not a mask: blocks past it cost no instructions)."""
+    delta = _row_dots(bt0, h0)
+    if R_BLOCKS > 1:
+        for rb in range(1, R_BLOCKS if STATIC_LOOPS else tl.cdiv(rank, RANK_BLOCK)):
+            bt = _b_block(b_rows, n_ok, rb, R_SLICE)
+            delta += _row_dots(bt, _h_block(h_row, rank, rb, bt.dtype))
+    return delta
+
+
+@triton.jit
+def _tile_delta(
+    bt0: tl.tensor,
+    h0: tl.tensor,
+    b_rows: tl.tensor,
+    n_ok: tl.tensor,
+    h_rows: tl.tensor,
+    rank: tl.tensor,
+    R_BLOCKS: tl.constexpr,
+    R_SLICE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    STATIC_LOOPS: tl.constexpr,
+) -> tl.tensor:
+    """h[toks, :rank] @ B[cols, :rank]^T on tensor cores, block by rank block as in `_token_delta`."""
+    if UPCAST:
+        bt0 = bt0.to(tl.float32)
+    delta = tl.dot(h0, tl.trans(bt0), input_precision=PRECISION)
+    if R_BLOCKS > 1:
+        for rb in range(1, R_BLOCKS if STATIC_LOOPS else tl.cdiv(rank, RANK_BLOCK)):
+            bt = _b_block(b_rows, n_ok, rb, R_SLICE)
+            h = _h_block(h_rows, rank, rb, bt.dtype).to(bt.dtype)
+            if UPCAST:
+                h, bt = h.to(tl.float32), bt.to(tl.float32)
+            delta = tl.dot(h, tl.trans(bt), delta, input_precision=PRECISION)
+    return delta
+
+
+@triton.jit
 def _expand_kernel(
     y_ptr: tl.tensor,
     h_ptr: tl.tensor,
@@ -388,6 +538,7 @@ def _expand_kernel(
     order_ptr: tl.tensor,
     chunks_ptr: tl.tensor,
     num_real_ptr: tl.tensor,
+    n_chunks: tl.tensor,
     n0: tl.tensor,
     n1: tl.tensor,
     n2: tl.tensor,
@@ -397,101 +548,106 @@ def _expand_kernel(
     stride_bs: tl.tensor,
     stride_bn: tl.tensor,
     SLICES: tl.constexpr,
+    R_BLOCKS: tl.constexpr,
+    CHUNKS: tl.constexpr,
     N_TILES: tl.constexpr,
     N_ITERS: tl.constexpr,
     R_SLICE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    STATIC_LOOPS: tl.constexpr,
     USE_PDL: tl.constexpr,
     GDC: tl.constexpr,
     SHORT_CHAIN: tl.constexpr,
 ) -> None:
-    # Work unit = (chunk, slice); its programs split the slice's column tiles, N_ITERS at most each.
+    # Work unit = (chunk, slice, rank block); the programs of a (chunk, slice)'s units split its column tiles,
+    # so a chunk of rank 64 gets 4x the programs of one of rank 16 and each loops over 4 rank blocks.
     num_real = tl.load(num_real_ptr)
-    parts, unit, part = _share(tl.program_id(0), tl.num_programs(0), num_real * SLICES, N_TILES)
-    tiles_per_part = tl.cdiv(N_TILES, parts)
-    chunk = unit // SLICES
-    sl = unit % SLICES
+    past, chunk, rank, j, nb, per, sub = _locate(
+        chunks_ptr, ranks_ptr, num_real, n_chunks, SLICES, R_BLOCKS, RANK_BLOCK, N_TILES, CHUNKS
+    )
+    sl = j // nb
+    tiles_per_part = tl.cdiv(N_TILES, nb * per)
     n_size = tl.where(sl == 0, n0, tl.where(sl == 1, n1, tl.where(sl == 2, n2, n3)))
-    n_begin = part * tiles_per_part * BLOCK_N
-    if (chunk >= num_real) | (n_begin >= n_size):
+    n_begin = ((j % nb) * per + sub) * tiles_per_part * BLOCK_N
+    if past | (n_begin >= n_size):
         _exit_in_order(GDC)
         return
     n_start = tl.where(sl > 0, n0, 0) + tl.where(sl > 1, n1, 0) + tl.where(sl > 2, n2, 0)
     n_stop = tl.minimum(n_begin + tiles_per_part * BLOCK_N, n_size)
     slot, start, length, first_tok = _chunk_row(chunks_ptr, chunk)
-    rank = tl.load(ranks_ptr + slot)
     offs_n0 = n_begin + tl.arange(0, BLOCK_N)
     n0_ok = offs_n0 < n_stop
     cols0 = (n_start + offs_n0).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     tok_ok = offs_m < length
-    if SHORT_CHAIN:  # loads that need only the chunk row: in flight while the rank arrives
+    if SHORT_CHAIN:  # loads that need only the chunk row: in flight beside the rank
         scale = tl.load(scalings_ptr + slot)
         if BLOCK_M != 1:
             tok_m = tl.load(order_ptr + start + offs_m, mask=tok_ok, other=0).to(tl.int64)
-    if rank == 0:
-        _exit_in_order(GDC)
-        return
+    if CHUNKS == 0:
+        rank = tl.load(ranks_ptr + slot)
+        if rank == 0:
+            _exit_in_order(GDC)
+            return
     if not SHORT_CHAIN:
         scale = tl.load(scalings_ptr + slot)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank
-    b_base = b_ptr + slot * stride_bs + offs_r[None, :]
-    # With PDL the first column tile runs ahead of the loop: its B tile is read before the previous kernel
-    # has finished. (Reading its y before the rank arrives, for the short chain, cost 165 registers against 96.)
+    b_base = b_ptr + slot * stride_bs
+    b_rows0 = b_base + cols0[:, None] * stride_bn
+    # With PDL the first column tile runs ahead of the loop: its first rank block of B is read before the
+    # previous kernel has finished. (Reading its y before the rank arrives, for the short chain, cost 165
+    # registers against 96.)
     PEELED: tl.constexpr = 1 if USE_PDL else 0
     if BLOCK_M == 1:
-        # One token: a plain matrix-vector product, no tensor-core tile padded to 16 tokens.
+        # One token: a plain matrix-vector product, no tensor-core tile padded to 16 tokens. Compile-time
+        # trip counts only in the interpreter (see _shrink_kernel); compiled code loops exactly.
         tok = first_tok if SHORT_CHAIN else tl.load(order_ptr + start).to(tl.int64)
         y_1 = y_ptr + tok * stride_yt
         if PEELED:
-            bt0 = tl.load(b_base + cols0[:, None] * stride_bn, mask=n0_ok[:, None] & r_ok[None, :], other=0.0)
+            bt0 = _b_block(b_rows0, n0_ok, 0, R_SLICE)
             _await_previous(GDC)
-        h_1 = tl.load(h_ptr + tok * stride_ht + sl * R_SLICE + offs_r, mask=r_ok, other=0.0)
-        h_1 = h_1.to(b_ptr.dtype.element_ty).to(tl.float32)  # rounded as the reference rounds h
+        h_row = h_ptr + tok * stride_ht + sl * R_SLICE
+        h0_1 = _h_block(h_row, rank, 0, b_ptr.dtype.element_ty)
         if PEELED:
             old0_1 = tl.load(y_1 + cols0, mask=n0_ok, other=0.0)
-            delta0_1 = _row_dots(bt0, h_1)
+            delta0_1 = _token_delta(bt0, h0_1, b_rows0, n0_ok, h_row, rank, R_BLOCKS, R_SLICE, STATIC_LOOPS)
             tl.store(y_1 + cols0, (old0_1.to(tl.float32) + scale * delta0_1).to(old0_1.dtype), mask=n0_ok)
-        for i in range(PEELED, N_ITERS):
+        for i in range(PEELED, N_ITERS if STATIC_LOOPS else tl.cdiv(n_stop - n_begin, BLOCK_N)):
             offs_n = n_begin + i * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < n_stop
             cols = (n_start + offs_n).to(tl.int64)
-            bt = tl.load(b_base + cols[:, None] * stride_bn, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-            delta_1 = _row_dots(bt, h_1)
+            b_rows = b_base + cols[:, None] * stride_bn
+            bt = _b_block(b_rows, n_ok, 0, R_SLICE)
             old_1 = tl.load(y_1 + cols, mask=n_ok, other=0.0)
+            delta_1 = _token_delta(bt, h0_1, b_rows, n_ok, h_row, rank, R_BLOCKS, R_SLICE, STATIC_LOOPS)
             tl.store(y_1 + cols, (old_1.to(tl.float32) + scale * delta_1).to(old_1.dtype), mask=n_ok)
     else:
         if not SHORT_CHAIN:
             tok_m = tl.load(order_ptr + start + offs_m, mask=tok_ok, other=0).to(tl.int64)
         if PEELED:
-            bt0 = tl.load(b_base + cols0[:, None] * stride_bn, mask=n0_ok[:, None] & r_ok[None, :], other=0.0)
+            bt0 = _b_block(b_rows0, n0_ok, 0, R_SLICE)
             _await_previous(GDC)
-        h_mask = tok_ok[:, None] & r_ok[None, :]
-        h = tl.load(h_ptr + tok_m[:, None] * stride_ht + sl * R_SLICE + offs_r[None, :], mask=h_mask, other=0.0)
-        h = h.to(b_ptr.dtype.element_ty)  # as the reference rounds h to the activations' dtype
+        h_rows = h_ptr + tok_m[:, None] * stride_ht + sl * R_SLICE
+        h0 = _h_block(h_rows, rank, 0, b_ptr.dtype.element_ty).to(b_ptr.dtype.element_ty)
         if UPCAST:
-            h = h.to(tl.float32)
+            h0 = h0.to(tl.float32)
         y_rows = y_ptr + tok_m[:, None] * stride_yt
         if PEELED:
             y0_mask = tok_ok[:, None] & n0_ok[None, :]
+            delta0 = _tile_delta(
+                bt0, h0, b_rows0, n0_ok, h_rows, rank, R_BLOCKS, R_SLICE, PRECISION, UPCAST, STATIC_LOOPS
+            )
             old0 = tl.load(y_rows + cols0[None, :], mask=y0_mask, other=0.0)
-            if UPCAST:
-                bt0 = bt0.to(tl.float32)
-            delta0 = tl.dot(h, tl.trans(bt0), input_precision=PRECISION)
             tl.store(y_rows + cols0[None, :], (old0.to(tl.float32) + scale * delta0).to(old0.dtype), mask=y0_mask)
-        for i in range(PEELED, N_ITERS):
+        for i in range(PEELED, N_ITERS if STATIC_LOOPS else tl.cdiv(n_stop - n_begin, BLOCK_N)):
             offs_n = n_begin + i * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < n_stop
             cols = (n_start + offs_n).to(tl.int64)
-            bt = tl.load(b_base + cols[:, None] * stride_bn, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-            if UPCAST:
-                bt = bt.to(tl.float32)
-            delta = tl.dot(h, tl.trans(bt), input_precision=PRECISION)
+            b_rows = b_base + cols[:, None] * stride_bn
+            bt = _b_block(b_rows, n_ok, 0, R_SLICE)
+            delta = _tile_delta(bt, h0, b_rows, n_ok, h_rows, rank, R_BLOCKS, R_SLICE, PRECISION, UPCAST, STATIC_LOOPS)
             y_mask = tok_ok[:, None] & n_ok[None, :]
             old = tl.load(y_rows + cols[None, :], mask=y_mask, other=0.0)
             tl.store(y_rows + cols[None, :], (old.to(tl.float32) + scale * delta).to(old.dtype), mask=y_mask)
@@ -505,6 +661,11 @@ _TILE_PER_THREAD = 64
 def _programs(device: torch.device, per_sm: int, at_least: int) -> int:
     # Every work unit of a full plan needs a program of its own, or some would never run.
     return max(per_sm * _sm_count(device), at_least)
+
+
+def _scanned_chunks(plan: SegmentPlan) -> int:
+    """`_locate`'s CHUNKS: the plan's chunks rounded up to a power of two, 0 past the scan limit."""
+    return triton.next_power_of_2(plan.num_chunks) if plan.num_chunks <= _MAX_SCANNED_CHUNKS else 0
 
 
 def shrink(
@@ -534,14 +695,16 @@ def shrink(
         raise ValueError(f"a_stack rows ({lr}) must split into 1..{MAX_SLICES} equal slices")
     if h.shape != (num_tokens, lr) or h.dtype != torch.float32:
         raise ValueError(f"h must be float32 [{num_tokens}, {lr}]")
-    block_r = min(max(triton.next_power_of_2(lr), 16), cfg.block_r)
+    r_slice = lr // num_slices
+    block_r = max(min(triton.next_power_of_2(r_slice), cfg.block_r), RANK_BLOCK.value)
     block_k = cfg.block_k
     if plan.block_m == 1:  # the per-token body holds its whole A tile in registers: cap it below spilling
         block_k = max(16, min(block_k, _TILE_PER_THREAD * 32 * cfg.num_warps // block_r))
-    r_blocks = triton.cdiv(lr, block_r)
+    r_blocks = triton.cdiv(r_slice, block_r)
     k_blocks = triton.cdiv(k_dim, block_k)
-    programs = _programs(x.device, cfg.programs_per_sm, plan.num_chunks * r_blocks)
-    fewest_splits = min(max(programs // (plan.num_chunks * r_blocks), 1), k_blocks)
+    most_units = plan.num_chunks * num_slices * r_blocks
+    programs = _programs(x.device, cfg.programs_per_sm, most_units)
+    fewest_splits = min(max(programs // most_units, 1), k_blocks)
     _shrink_kernel[(programs,)](
         x,
         a_stack,
@@ -551,20 +714,23 @@ def shrink(
         plan.num_real,
         h,
         k_dim,
-        lr,
-        lr // num_slices,
+        plan.num_chunks,
+        r_slice,
         x.stride(0),
         a_stack.stride(0),
         a_stack.stride(1),
         h.stride(0),
+        SLICES=num_slices,
         R_BLOCKS=r_blocks,
+        CHUNKS=_scanned_chunks(plan),
         K_BLOCKS=k_blocks,
-        K_ITERS=triton.cdiv(k_blocks, fewest_splits),
+        K_ITERS=triton.cdiv(k_blocks, fewest_splits) if _static_loops() else 0,  # else unused: no recompiles
         BLOCK_M=plan.block_m,
         BLOCK_R=block_r,
         BLOCK_K=block_k,
         PRECISION=_dot_precision(x.dtype),
         UPCAST=_upcast_dots(),
+        STATIC_LOOPS=_static_loops(),
         USE_PDL=latency.pdl_order,
         GDC=latency.gdc,
         SHORT_CHAIN=latency.short_chain,
@@ -601,16 +767,21 @@ def expand(
         raise ValueError("y, h and b_stack need a contiguous last dimension")
     if h.shape[1] != len(sizes) * r_slice:
         raise ValueError("h has L*R columns for L slices of rank R")
-    block_r = max(triton.next_power_of_2(r_slice), 16)
+    # B tiles in registers are one rank block wide whatever the stack's R (sm_90, bf16: 512 x 64 tiles spilled).
+    r_blocks = triton.cdiv(r_slice, RANK_BLOCK.value)
     block_n = cfg.block_n
     if plan.block_m == 1:  # as in shrink: the per-token body's B tile lives in registers
-        block_n = max(16, min(block_n, 2 * _TILE_PER_THREAD * 32 * cfg.num_warps // block_r))
-    elif latency.pdl_order:  # the tile body holds the first B tile across the wait, beside h and a y tile
-        per_thread = _TILE_PER_THREAD * 2 // b_stack.element_size()  # sm_90: bf16 512 x 64, fp32 512 x 16 spilled
-        block_n = max(16, min(block_n, per_thread * 32 * cfg.num_warps // block_r))
+        block_n = max(16, min(block_n, 2 * _TILE_PER_THREAD * 32 * cfg.num_warps // RANK_BLOCK.value))
+    elif latency.pdl_order or r_blocks > 1:
+        # The tile body holds the first B tile across the wait (PDL; sm_90: fp32 512 x 16 spilled) or carries
+        # its accumulator through the loop over rank blocks (sm_90: bf16 512 columns took 211 registers, 256
+        # took 128; fp32 512 and 256 spilled), beside h and a y tile.
+        per_thread = _TILE_PER_THREAD * 2 // b_stack.element_size() // (2 if r_blocks > 1 else 1)
+        block_n = max(16, min(block_n, per_thread * 32 * cfg.num_warps // RANK_BLOCK.value))
     n_tiles = triton.cdiv(max(sizes), block_n)
-    programs = _programs(y.device, cfg.programs_per_sm, plan.num_chunks * len(sizes))
-    fewest_parts = min(max(programs // (plan.num_chunks * len(sizes)), 1), n_tiles)
+    most_units = plan.num_chunks * len(sizes) * r_blocks
+    programs = _programs(y.device, cfg.programs_per_sm, most_units)
+    fewest_parts = min(max(programs // most_units, 1), n_tiles)
     _expand_kernel[(programs,)](
         y,
         h,
@@ -620,20 +791,23 @@ def expand(
         plan.token_order,
         plan.chunks,
         plan.num_real,
+        plan.num_chunks,
         *(sizes + [0] * (MAX_SLICES - len(sizes))),
         y.stride(0),
         h.stride(0),
         b_stack.stride(0),
         b_stack.stride(1),
         SLICES=len(sizes),
+        R_BLOCKS=r_blocks,
+        CHUNKS=_scanned_chunks(plan),
         N_TILES=n_tiles,
-        N_ITERS=triton.cdiv(n_tiles, fewest_parts),
+        N_ITERS=triton.cdiv(n_tiles, fewest_parts) if _static_loops() else 0,
         R_SLICE=r_slice,
         BLOCK_M=plan.block_m,
         BLOCK_N=block_n,
-        BLOCK_R=block_r,
         PRECISION=_dot_precision(y.dtype),
         UPCAST=_upcast_dots(),
+        STATIC_LOOPS=_static_loops(),
         USE_PDL=latency.pdl_order,
         GDC=latency.gdc,
         SHORT_CHAIN=latency.short_chain,

@@ -63,6 +63,18 @@ SCENARIOS = {
         [1024, 256, 256],
     ),
     "decode-mixed-ranks-64": ([t % 20 for t in range(64)], [8, 16, 32, 64] * 5, 64, 2048, [2752, 2752]),
+    # Ranks that follow no power of two in a rank-64 stack (programs go to chunks by their true rank, expand
+    # loops over rank blocks of 16 up to each rank), in a stack of R = 24 (its last block masked at the
+    # stack's edge), and prefill tiles of 64 tokens over ranks 8 / 64 / 24.
+    "decode-odd-ranks-64": (
+        [t % 12 if t % 7 else -1 for t in range(48)],
+        [24, 8, 40, 0, 64, 17, 16, 32, 48, 1, 56, 33],
+        64,
+        1536,
+        [1536, 512, 512],
+    ),
+    "decode-rank-24-stack": ([t % 6 for t in range(40)], [24, 8, 17, 0, 16, 24], 24, 1000, [700, 300]),
+    "prefill-mixed-ranks-64": ([0] * 100 + [1] * 70 + [-1] * 10 + [2] * 90, [8, 64, 24], 64, 1024, [1024, 256, 256]),
     "prefill-3-adapters": (
         [0] * 300 + [-1] * 50 + [2] * 333 + [1] * 17 + [0] * 100,
         [32, 8, 32],
@@ -175,17 +187,20 @@ def test_shrink_of_a_few_chunks_in_a_large_plan() -> None:
     assert torch.all(used[:, :, 8:] == 0) and torch.all(used[:, :, :8] != 0)
 
 
+@pytest.mark.parametrize("max_rank", [16, 64], ids=["uniform-16", "mixed-in-64"])
 @pytest.mark.parametrize("path", ["fused", "shrink-expand", *sorted(LATENCY_OPTIONS)])
 @pytest.mark.parametrize("block_m", [1, 16])
-def test_cuda_graph_replays_a_new_plan(block_m: int, path: str) -> None:
-    """Also PDL under stream capture: the launches become programmatic edges of the graph."""
+def test_cuda_graph_replays_a_new_plan(block_m: int, path: str, max_rank: int) -> None:
+    """Also PDL under stream capture: the launches become programmatic edges of the graph. The mixed stack
+    holds ranks 8..64: each replayed plan shares the grid out by other ranks."""
     from engine import kernels_triton as kt
 
     fused = path == "fused"
     options = LATENCY_OPTIONS.get(path, {"pdl": False, "short_chain": False})
 
     num_tokens, num_slots, k_dim, slice_sizes = 64, 64, 4096, [4096, 1024, 1024]
-    a, b, ranks, scalings = stacks([16] * num_slots, 16, k_dim, slice_sizes, torch.bfloat16)
+    slot_ranks = [16] * num_slots if max_rank == 16 else [8, 16, 32, 64, 24, 8, 8, 8] * (num_slots // 8)
+    a, b, ranks, scalings = stacks(slot_ranks, max_rank, k_dim, slice_sizes, torch.bfloat16)
     x = torch.randn(num_tokens, k_dim, device="cuda").to(torch.bfloat16)
     y0 = torch.randn(num_tokens, sum(slice_sizes), device="cuda").to(torch.bfloat16)
     y = y0.clone()
@@ -219,3 +234,24 @@ def test_cuda_graph_replays_a_new_plan(block_m: int, path: str) -> None:
         torch.cuda.synchronize()
         want = reference(y0, x, a, b, ranks, scalings, slots, slice_sizes)
         assert rel_err(y, want) < TOLERANCE[torch.bfloat16], token_slots
+
+
+@pytest.mark.parametrize("options", sorted(LATENCY_OPTIONS))
+@pytest.mark.parametrize("block_m", [1, 16])
+def test_static_share_out_of_large_plans(monkeypatch: pytest.MonkeyPatch, block_m: int, options: str) -> None:
+    """Plans past `_MAX_SCANNED_CHUNKS` give every chunk the stack's rank blocks and drop those past its rank."""
+    from engine import kernels_triton as kt
+
+    monkeypatch.setattr(kt, "_MAX_SCANNED_CHUNKS", 2)
+    token_slots, slot_ranks, max_rank, k_dim, slice_sizes = SCENARIOS["decode-odd-ranks-64"]
+    a, b, ranks, scalings = stacks(slot_ranks, max_rank, k_dim, slice_sizes, torch.bfloat16)
+    slots = torch.tensor(token_slots, dtype=torch.int32, device="cuda")
+    x = torch.randn(len(token_slots), k_dim, device="cuda").to(torch.bfloat16)
+    y0 = torch.randn(len(token_slots), sum(slice_sizes), device="cuda").to(torch.bfloat16)
+    y = y0.clone()
+    plan = kt.plan_segments(token_slots, "cuda", block_m=block_m)
+    kernels.lora_apply(
+        y, x, a, b, ranks, scalings, slots, slice_sizes=slice_sizes, plan=plan, **LATENCY_OPTIONS[options]
+    )
+    torch.cuda.synchronize()
+    assert rel_err(y, reference(y0, x, a, b, ranks, scalings, slots, slice_sizes)) < TOLERANCE[torch.bfloat16]

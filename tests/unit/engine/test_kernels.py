@@ -103,6 +103,11 @@ CASES = {
     "mixed-ranks": dict(slot_ranks=[8, 16, 0, 4, 16], max_rank=16, k_dim=48, slice_sizes=[40]),
     "qkv-slices": dict(slot_ranks=[8, 16, 0, 4, 16], max_rank=16, k_dim=40, slice_sizes=[24, 8, 8]),
     "rank-32-two-slices": dict(slot_ranks=[32, 16, 0, 8, 24], max_rank=32, k_dim=33, slice_sizes=[20, 36]),
+    # Ranks 8..64 in a rank-64 stack: programs go to chunks by their true rank (4 rank blocks for slot 1, 2 for
+    # slot 0's 24, not a multiple of 16), expand loops over rank blocks up to each rank.
+    "rank-64-mixed": dict(slot_ranks=[24, 64, 0, 8, 32], max_rank=64, k_dim=40, slice_sizes=[24, 16]),
+    # A stack whose R is no multiple of 16: its last rank block is masked at the stack's edge.
+    "rank-24-stack": dict(slot_ranks=[17, 24, 0, 8, 16], max_rank=24, k_dim=33, slice_sizes=[20, 12, 8]),
 }
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -256,7 +261,7 @@ def test_triton_interpreted() -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "skipped" not in proc.stdout and " passed" in proc.stdout, proc.stdout[-2000:]
@@ -313,6 +318,40 @@ class TestInterpreted:
     ) -> None:
         self.check_shrink_and_expand("qkv-slices", dtype, block_m, block_r, per_sm, token_slots, options)
 
+    # Ranks 8..64 in a rank-64 stack under every latency option (PDL peels the first tile's first rank block);
+    # the shapes of KERNEL_SHAPES that the interpreter runs fastest.
+    @pytest.mark.parametrize(
+        ("block_m", "block_r", "per_sm", "token_slots"),
+        [(16, 64, 1, MIXED_SLOTS), (16, 64, 4, FEW_CHUNK_SLOTS), (1, 64, 4, SHORT_SLOTS)],
+        ids=["loop", "adapt", "token-adapt"],
+    )
+    @pytest.mark.parametrize(
+        "options",
+        [{"short_chain": True}, {"pdl": True}, {"pdl": True, "short_chain": True}],
+        ids=["short", "pdl", "both"],
+    )
+    def test_latency_options_mixed_ranks(
+        self, options: dict[str, bool], block_m: int, block_r: int, per_sm: int, token_slots: list[int]
+    ) -> None:
+        self.check_shrink_and_expand("rank-64-mixed", torch.bfloat16, block_m, block_r, per_sm, token_slots, options)
+
+    # Plans past the scan limit share programs out statically: every chunk gets the stack's rank blocks.
+    @pytest.mark.parametrize(("block_m", "token_slots"), [(16, MIXED_SLOTS), (1, SHORT_SLOTS)], ids=["tile", "token"])
+    @pytest.mark.parametrize("options", [{}, {"pdl": True, "short_chain": True}], ids=["current", "both"])
+    @pytest.mark.parametrize("name", ["rank-64-mixed", "rank-24-stack"])
+    def test_static_share_out(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        name: str,
+        options: dict[str, bool],
+        block_m: int,
+        token_slots: list[int],
+    ) -> None:
+        from engine import kernels_triton as kt
+
+        monkeypatch.setattr(kt, "_MAX_SCANNED_CHUNKS", 2)
+        self.check_shrink_and_expand(name, torch.float32, block_m, 16, 4, token_slots, options)
+
     def check_shrink_and_expand(
         self,
         name: str,
@@ -328,7 +367,7 @@ class TestInterpreted:
         case = case_for(name, dtype, token_slots)
         tol = TOLERANCE[dtype]
         # Padding chunks must be no-ops; block_k 16 leaves a ragged K tail.
-        num_chunks = 9 if block_m == 16 else len(token_slots) + 20
+        num_chunks = 9 if block_m == 16 else len(token_slots) + 6
         plan = kt.plan_segments(case.token_slots, "cpu", block_m=block_m, num_chunks=num_chunks)
         lr = case.a_stack.shape[1]
         h = torch.zeros(case.x.shape[0], lr)
