@@ -1,0 +1,24 @@
+"""`python -m engine` flags: every EngineConfig field, booleans as --flag / --no-flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.__main__ import build_parser, config_from
+
+
+def test_boolean_fields_are_switches_not_typed_values() -> None:
+    parser = build_parser()
+    assert config_from(parser.parse_args([])).enforce_eager is False
+    assert config_from(parser.parse_args(["--enforce-eager"])).enforce_eager is True
+    assert config_from(parser.parse_args(["--enforce-eager", "--no-enforce-eager"])).enforce_eager is False
+
+
+def test_typed_fields_parse_and_bad_values_are_refused() -> None:
+    parser = build_parser()
+    config = config_from(parser.parse_args(["--max-num-seqs", "4", "--adapter-eviction", "lru"]))
+    assert config.max_num_seqs == 4 and config.adapter_eviction == "lru"
+    with pytest.raises(ValueError, match="adapter_eviction"):
+        config_from(parser.parse_args(["--adapter-eviction", "random"])).validate()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-num-seqs", "many"])
