@@ -140,7 +140,7 @@ def load_adapter(spec: AdapterSpec, dtype: torch.dtype, pin: bool | None = None)
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"{spec.path}: layer {key[0]} {key[1]} lacks lora_{'B' if 'A' in pair else 'A'}")
         tensors[key] = (pair["A"], pair["B"])
-    host, flat = _host_copy(tensors, dtype, torch.cuda.is_available() if pin is None else pin)
+    host, flat = host_copy(tensors, dtype, torch.cuda.is_available() if pin is None else pin)
     if not torch.isfinite(flat).all():  # one check over the whole buffer; find the culprit only on failure
         name = next(
             f"{key[1]} of layer {key[0]}" for key, pair in host.items() if not all(t.isfinite().all() for t in pair)
@@ -149,7 +149,7 @@ def load_adapter(spec: AdapterSpec, dtype: torch.dtype, pin: bool | None = None)
     return AdapterWeights(rank=spec.rank, scaling=spec.scaling, modules=spec.modules, tensors=host)
 
 
-def _host_copy(
+def host_copy(
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype, pin: bool
 ) -> tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """All of an adapter's tensors as views of one host buffer (returned too), page-locked when a GPU will

@@ -23,6 +23,7 @@ class EngineConfig:
     max_lora_rank: int = 32
     host_adapter_cache: int = 64  # adapters kept loaded in host memory
     adapter_eviction: str = "frequency"  # LoRA slots: frequency (decayed frequency, recency, pinning) | lru
+    adapter_loader: str = "thread"  # where adapter files are read: thread | process (keeps the GIL free)
     default_max_tokens: int = 256
     gpu_memory_utilization: float = 0.9  # share of free GPU memory the KV cache may take
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
@@ -45,6 +46,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be within (0, 1], got {self.gpu_memory_utilization}")
+        if self.adapter_loader not in ("thread", "process"):
+            raise ValueError(f"adapter_loader must be thread or process, got {self.adapter_loader!r}")
         if self.adapter_eviction not in ("frequency", "lru"):
             raise ValueError(f"adapter_eviction must be frequency or lru, got {self.adapter_eviction!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

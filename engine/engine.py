@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from engine.adapter_loader import ProcessLoader, ThreadLoader
 from engine.adapters import AdapterError
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, PrefillGraphs
@@ -89,7 +90,9 @@ class LLMEngine:
         self.stacks = LoRAStacks(arch, config.lora_slots, config.max_lora_rank, self.dtype, self.device)
         self.kv = KVCache(arch, self._kv_slots(), self.max_model_len, self.dtype, self.device)
         eviction = LRUPolicy() if config.adapter_eviction == "lru" else DecayedFrequencyPolicy()
-        self.pool = AdapterPool(arch, self.stacks, self.dtype, config.host_adapter_cache, eviction)
+        loader_type = ProcessLoader if config.adapter_loader == "process" else ThreadLoader
+        loader = loader_type(self.dtype, self.stacks.layout)
+        self.pool = AdapterPool(arch, self.stacks, self.dtype, config.host_adapter_cache, eviction, loader)
         self.pool.on_loaded.append(self._wake)
         self.scheduler = Scheduler(self.kv, self.pool, config.max_num_batched_tokens)
         self.graphs: DecodeGraphs | None = None

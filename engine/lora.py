@@ -9,6 +9,7 @@ forward pass serves base rows and any mix of adapters and ranks.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -47,6 +48,52 @@ class AdapterWeights:
     def nbytes(self) -> int:
         loose = sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.tensors.values())
         return loose + (0 if self.packed is None else self.packed.numel() * self.packed.element_size())
+
+
+@dataclass(frozen=True, slots=True)
+class SlotLayout:
+    """Shapes of one slot of fused stacks, per (layer, group) in stack order; plain data, so a loader
+    process can pack adapters without the stacks themselves."""
+
+    max_rank: int
+    group_slices: dict[str, tuple[int, ...]]
+    blocks: tuple[tuple[tuple[int, str], tuple[int, ...], tuple[int, ...]], ...]  # key, A shape, B shape
+
+    def images(
+        self, buffer: torch.Tensor, keys: tuple[tuple[int, str], ...]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Views of `buffer` shaped like one slot of each key's group stacks (A block, then B block)."""
+        shapes = {key: (a, b) for key, a, b in self.blocks}
+        out, offset = [], 0
+        for key in keys:
+            a_shape, b_shape = shapes[key]
+            a_size, b_size = math.prod(a_shape), math.prod(b_shape)
+            a_img = buffer[offset : offset + a_size].view(a_shape)
+            out.append((a_img, buffer[offset + a_size : offset + a_size + b_size].view(b_shape)))
+            offset += a_size + b_size
+        return out
+
+
+def pack_adapter(layout: SlotLayout, adapter: AdapterWeights, pin: bool) -> AdapterWeights:
+    """The adapter as one host buffer in slot layout, so `LoRAStacks.set_lora` moves it with one
+    host->device copy and one multi-tensor device copy instead of a copy per tensor. Groups the adapter
+    leaves alone are not stored (their group rank of 0 makes the kernels skip them)."""
+    keys = tuple(key for key, _, _ in layout.blocks if adapter.modules.intersection(PROJECTION_GROUPS[key[1]]))
+    sizes = {key: math.prod(a) + math.prod(b) for key, a, b in layout.blocks}
+    dtype = next(iter(adapter.tensors.values()))[0].dtype
+    buffer = torch.zeros(sum(sizes[k] for k in keys), dtype=dtype, pin_memory=pin)
+    r, rmax, dst, src = adapter.rank, layout.max_rank, [], []
+    for (layer, group), (a_img, b_img) in zip(keys, layout.images(buffer, keys), strict=True):
+        n0 = 0
+        for i, (module, width) in enumerate(zip(PROJECTION_GROUPS[group], layout.group_slices[group], strict=True)):
+            pair = adapter.tensors.get((layer, module))
+            if pair is not None:
+                dst += [a_img[i * rmax : i * rmax + r], b_img[n0 : n0 + width, :r]]
+                src += list(pair)
+            n0 += width
+    if dst:
+        torch._foreach_copy_(dst, src)
+    return AdapterWeights(adapter.rank, adapter.scaling, adapter.modules, {}, buffer, keys)
 
 
 class LoRAStacks:
@@ -99,6 +146,15 @@ class LoRAStacks:
         for key, a in self.group_a.items():
             self.h_offsets[key] = (sum(w for _, w in self.h_offsets.values()), a.shape[1])
         self.h_width = sum(w for _, w in self.h_offsets.values())
+        self.layout = (
+            SlotLayout(
+                max_rank,
+                self.group_slices,
+                tuple((key, tuple(a.shape[1:]), tuple(self.group_b[key].shape[1:])) for key, a in self.group_a.items()),
+            )
+            if fused
+            else None
+        )
         self.ranks = torch.zeros(slots, dtype=torch.int32, device=device)
         self.modules: frozenset[str] = frozenset(shapes)
         # Rank per slot and group, 0 where the slot's adapter touches none of the group's projections: the
@@ -113,40 +169,10 @@ class LoRAStacks:
         self._ready: list[torch.cuda.Event | None] = [None] * slots
 
     def pack(self, adapter: AdapterWeights) -> AdapterWeights:
-        """The adapter as one host buffer in slot layout (fused stacks; pinned when CUDA is present), so
-        `set_lora` moves it with one host->device copy and one multi-tensor device copy instead of a copy
-        per tensor. Groups the adapter leaves alone are not stored (their group rank of 0 skips them)."""
-        if not self.fused:
+        """`pack_adapter` for this engine's stacks (pinned when CUDA is present); loose stacks keep it as is."""
+        if self.layout is None:
             return adapter
-        keys = tuple(k for k in self.group_a if adapter.modules.intersection(PROJECTION_GROUPS[k[1]]))
-        total = sum(self.group_a[k][0].numel() + self.group_b[k][0].numel() for k in keys)
-        buffer = torch.zeros(total, dtype=self.dtype, pin_memory=torch.cuda.is_available())
-        images = self._images(buffer, keys)
-        r, dst, src = adapter.rank, [], []
-        for (layer, group), (a_img, b_img) in zip(keys, images, strict=True):
-            n0 = 0
-            for i, (module, width) in enumerate(zip(PROJECTION_GROUPS[group], self.group_slices[group], strict=True)):
-                pair = adapter.tensors.get((layer, module))
-                if pair is not None:
-                    dst += [a_img[i * self.max_rank : i * self.max_rank + r], b_img[n0 : n0 + width, :r]]
-                    src += list(pair)
-                n0 += width
-        if dst:
-            torch._foreach_copy_(dst, src)
-        return AdapterWeights(adapter.rank, adapter.scaling, adapter.modules, {}, buffer, keys)
-
-    def _images(
-        self, buffer: torch.Tensor, keys: tuple[tuple[int, str], ...]
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Views of `buffer` shaped like one slot of each key's group stacks (A block, then B block)."""
-        out, offset = [], 0
-        for key in keys:
-            a, b = self.group_a[key][0], self.group_b[key][0]
-            a_img = buffer[offset : offset + a.numel()].view(a.shape)
-            offset += a.numel()
-            out.append((a_img, buffer[offset : offset + b.numel()].view(b.shape)))
-            offset += b.numel()
-        return out
+        return pack_adapter(self.layout, adapter, pin=torch.cuda.is_available())
 
     def set_lora(self, slot: int, adapter: AdapterWeights) -> None:
         """Copy `adapter` into `slot` (replacing whatever was there).
@@ -185,7 +211,8 @@ class LoRAStacks:
         assert adapter.packed is not None
         staging = adapter.packed.to(self.group_ranks["qkv"].device, non_blocking=True)
         dst = [t for key in adapter.packed_keys for t in (self.group_a[key][slot], self.group_b[key][slot])]
-        src = [t for pair in self._images(staging, adapter.packed_keys) for t in pair]
+        assert self.layout is not None
+        src = [t for pair in self.layout.images(staging, adapter.packed_keys) for t in pair]
         if dst:
             torch._foreach_copy_(dst, src)
 

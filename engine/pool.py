@@ -18,13 +18,14 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from engine.adapters import AdapterError, AdapterSpec, load_adapter, read_spec
+from engine.adapter_loader import AdapterLoader, ThreadLoader
+from engine.adapters import AdapterError, AdapterSpec, read_spec
 from engine.config import ModelArch
 from engine.eviction import DecayedFrequencyPolicy, EvictionPolicy
 from engine.lora import AdapterWeights, LoRAStacks
@@ -87,6 +88,7 @@ class AdapterPool:
         dtype: torch.dtype,
         host_capacity: int,
         eviction: EvictionPolicy | None = None,
+        loader: AdapterLoader | None = None,
     ) -> None:
         self._arch, self._stacks, self._dtype = arch, stacks, dtype
         # Every slot holds up to max_rank whatever the adapter's rank, so slots are sized 1 for the policy.
@@ -97,7 +99,7 @@ class AdapterPool:
         self._staged: dict[str, AdapterVersion] = {}  # new versions loading while the current one serves
         self._retired: list[AdapterVersion] = []
         self._slots: list[AdapterVersion | None] = [None] * stacks.slots
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="adapter-load")
+        self._loader: AdapterLoader = loader if loader is not None else ThreadLoader(dtype, stacks.layout)
         self.on_loaded: list[Callable[[], None]] = []
         self.loads_started = 0
         self.evictions = 0
@@ -106,7 +108,7 @@ class AdapterPool:
         self.negative_ttl_s = 10.0
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._loader.close()
 
     # -- registration (any thread) -------------------------------------------------------------------
 
@@ -219,16 +221,9 @@ class AdapterPool:
         self.loads_started += 1
         version.error = None
         version.settled.clear()
-        future = self._executor.submit(self._read, version.spec)
+        future = self._loader.submit(version.spec)
         version.loading = future
         future.add_done_callback(functools.partial(self._loaded, version))
-
-    def _read(self, spec: AdapterSpec) -> AdapterWeights:
-        """Disk -> host memory, on a loader thread; for fused stacks straight into the slot layout."""
-        stacks = self._stacks
-        return (
-            stacks.pack(load_adapter(spec, self._dtype, pin=False)) if stacks.fused else load_adapter(spec, self._dtype)
-        )
 
     def _loaded(self, version: AdapterVersion, future: Future[AdapterWeights]) -> None:
         try:
