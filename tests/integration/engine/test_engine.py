@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import engine.pool as pool_module
+import engine.adapter_loader as loader_module
 from engine.engine import EngineError, LLMEngine
 from engine.sampling import SamplingParams
 from tests.integration.engine.conftest import run
@@ -103,13 +103,13 @@ def test_cold_adapter_never_stalls_other_requests(
     engine: LLMEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     release = threading.Event()
-    real_load = pool_module.load_adapter
+    real_load = loader_module.load_adapter
 
     def slow_load(*args, **kwargs):  # type: ignore[no-untyped-def]
         release.wait(10)  # a slow disk: the load finishes only when the test says so
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(pool_module, "load_adapter", slow_load)
+    monkeypatch.setattr(loader_module, "load_adapter", slow_load)
     engine.load_adapter("cold", str(write_adapter(tmp_path / "cold", arch=engine.arch, rank=8, seed=5)))
     base = run(engine, "warm-base", chat(engine, "Tell me about cats."), SamplingParams(max_tokens=60, ignore_eos=True))
     while len(base.outputs) < 2:

@@ -138,17 +138,17 @@ def test_hot_swap_serves_the_old_version_until_the_new_one_is_loaded(
 ) -> None:
     import threading
 
-    from engine import pool as pool_module
+    from engine import adapter_loader as loader_module
 
     old = _loaded(pool, "x", write_adapter(tmp_path / "v1", seed=1))
     gate = threading.Event()
-    real_load = pool_module.load_adapter
+    real_load = loader_module.load_adapter
 
-    def held_load(spec, dtype):  # type: ignore[no-untyped-def]
+    def held_load(*args, **kwargs):  # type: ignore[no-untyped-def]
         gate.wait(10)
-        return real_load(spec, dtype)
+        return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(pool_module, "load_adapter", held_load)
+    monkeypatch.setattr(loader_module, "load_adapter", held_load)
     new = pool.register("x", write_adapter(tmp_path / "v2", seed=2))
     assert pool.lookup("x") is old and not old.retired  # requests arriving now still get working weights
     gate.set()
