@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from engine import kernels
+from engine import kernels, kernels_fused, lora_plan
 from engine import kernels_triton as kt
 
 HIDDEN, INTER, HEADS, HEAD_DIM, KV_LEN, BATCH, RANK, SLOTS = 4096, 11008, 32, 128, 512, 64, 16, 64
@@ -131,7 +131,9 @@ class Configs:
     variant: Variant = CURRENT
 
 
-def lora_triton(lora: LayerLoRA, plan: kt.SegmentPlan, cfg: Configs, shrink: bool = True, expand: bool = True) -> None:
+def lora_triton(
+    lora: LayerLoRA, plan: lora_plan.SegmentPlan, cfg: Configs, shrink: bool = True, expand: bool = True
+) -> None:
     """The layer's 4 shrink + 4 expand launches (and the h memset); either half alone for the sweep."""
     if shrink:
         lora.h.zero_()
@@ -155,14 +157,16 @@ def lora_triton(lora: LayerLoRA, plan: kt.SegmentPlan, cfg: Configs, shrink: boo
             )
 
 
-def _run(lora: LayerLoRA, *, plan: kt.SegmentPlan, cfg: Configs, shrink: bool = True, expand: bool = True) -> None:
+def _run(
+    lora: LayerLoRA, *, plan: lora_plan.SegmentPlan, cfg: Configs, shrink: bool = True, expand: bool = True
+) -> None:
     lora_triton(lora, plan, cfg, shrink, expand)
 
 
-def lora_fused(lora: LayerLoRA, plan: kt.SegmentPlan, cfg: kt.FusedConfig) -> None:
+def lora_fused(lora: LayerLoRA, plan: lora_plan.SegmentPlan, cfg: kernels_fused.FusedConfig) -> None:
     """The layer's 4 fused shrink + expand launches (no h workspace, no memset)."""
     for p in PROJS:
-        kt.fused(
+        kernels_fused.fused(
             lora.ys[p.name],
             lora.xs[p.name],
             lora.a[p.name],
@@ -175,28 +179,28 @@ def lora_fused(lora: LayerLoRA, plan: kt.SegmentPlan, cfg: kt.FusedConfig) -> No
         )
 
 
-def _run_fused(lora: LayerLoRA, *, plan: kt.SegmentPlan, cfg: kt.FusedConfig) -> None:
+def _run_fused(lora: LayerLoRA, *, plan: lora_plan.SegmentPlan, cfg: kernels_fused.FusedConfig) -> None:
     lora_fused(lora, plan, cfg)
 
 
-# A few launch shapes per chunk height, tried in (a); the default (kt.default_fused_config) comes first.
-FUSED_CANDIDATES: dict[int, tuple[kt.FusedConfig, ...]] = {
+# A few launch shapes per chunk height, tried in (a); the default (kernels_fused.default_fused_config) comes first.
+FUSED_CANDIDATES: dict[int, tuple[kernels_fused.FusedConfig, ...]] = {
     1: (
-        kt.default_fused_config(1),
-        kt.FusedConfig(block_k=256, block_n=256, num_warps=4, programs_per_sm=4),
-        kt.FusedConfig(block_k=512, block_n=1024, num_warps=8, programs_per_sm=1),
+        kernels_fused.default_fused_config(1),
+        kernels_fused.FusedConfig(block_k=256, block_n=256, num_warps=4, programs_per_sm=4),
+        kernels_fused.FusedConfig(block_k=512, block_n=1024, num_warps=8, programs_per_sm=1),
     ),
     16: (
-        kt.default_fused_config(16),
-        kt.FusedConfig(block_k=128, block_n=256, num_warps=4, num_stages=4, programs_per_sm=4),
-        kt.FusedConfig(block_k=512, block_n=1024, num_warps=8, programs_per_sm=1),
-        kt.FusedConfig(block_k=256, block_n=1024, num_warps=4, programs_per_sm=1),
+        kernels_fused.default_fused_config(16),
+        kernels_fused.FusedConfig(block_k=128, block_n=256, num_warps=4, num_stages=4, programs_per_sm=4),
+        kernels_fused.FusedConfig(block_k=512, block_n=1024, num_warps=8, programs_per_sm=1),
+        kernels_fused.FusedConfig(block_k=256, block_n=1024, num_warps=4, programs_per_sm=1),
     ),
 }
 TARGETS = {"64 distinct": 65.0, "1 adapter": 20.0, "8x8": 30.0}
 
 
-def lora_unfused(lora: LayerLoRA, plan: kt.SegmentPlan, cfg: Configs) -> None:
+def lora_unfused(lora: LayerLoRA, plan: lora_plan.SegmentPlan, cfg: Configs) -> None:
     """The same work as 7 separate projections (14 launches), to show what fusing the slices buys."""
     lora.h.zero_()
     index = 0
@@ -319,12 +323,12 @@ class LayerStack:
 
     def __init__(self, slot_ranks: Sequence[int], max_rank: int, layers: int, block_m: int = 16):
         self.loras = [make_lora(slot_ranks, max_rank) for _ in range(layers)]
-        self.capacity = kt.chunk_capacity(BATCH, len(slot_ranks), block_m)
+        self.capacity = lora_plan.chunk_capacity(BATCH, len(slot_ranks), block_m)
         self.block_m = block_m
-        self.plan = kt.plan_segments(list(range(BATCH)), DEV, block_m=block_m, num_chunks=self.capacity)
+        self.plan = lora_plan.plan_segments(list(range(BATCH)), DEV, block_m=block_m, num_chunks=self.capacity)
 
     def use(self, token_slots: list[int]) -> None:
-        self.plan.copy_(kt.plan_segments(token_slots, DEV, block_m=self.block_m, num_chunks=self.capacity))
+        self.plan.copy_(lora_plan.plan_segments(token_slots, DEV, block_m=self.block_m, num_chunks=self.capacity))
 
     def graph(self, fn: Callable[[LayerLoRA], None]) -> torch.cuda.CUDAGraph:
         def all_layers() -> None:
@@ -337,15 +341,15 @@ class LayerStack:
         return median_us(self.graph(fn).replay, quick) / len(self.loras)
 
 
-def section_kernels(args: argparse.Namespace, bw: float) -> dict[int, kt.FusedConfig]:
+def section_kernels(args: argparse.Namespace, bw: float) -> dict[int, kernels_fused.FusedConfig]:
     """(a) for each chunk height (1: per-token matrix-vector programs; 16: tensor-core tiles): the separate
     shrink + expand kernels (default shapes) and the fused kernel (a few shapes), side by side."""
     print("\n(a) LoRA per layer, decode batch 64, rank 16, 7 projections (q/k/v and gate/up fused)")
     layers = 2 if args.quick else 4
     scen = scenario_slots()
-    chosen: dict[int, kt.FusedConfig] = {}
+    chosen: dict[int, kernels_fused.FusedConfig] = {}
     best_sep: dict[str, tuple[float, int]] = {}
-    best_fused: dict[str, tuple[float, int, kt.FusedConfig]] = {}
+    best_fused: dict[str, tuple[float, int, kernels_fused.FusedConfig]] = {}
     bmm = float("nan")
     for block_m in (1, 16):
         stack = LayerStack([RANK] * SLOTS, RANK, layers, block_m)
@@ -360,7 +364,7 @@ def section_kernels(args: argparse.Namespace, bw: float) -> dict[int, kt.FusedCo
             print(f"  chunks of {block_m:2d}: {name:12s} shrink+expand {t:7.1f} us/layer  HBM floor {floor:5.1f} us")
             if name not in best_sep or t < best_sep[name][0]:
                 best_sep[name] = (t, block_m)
-        totals: list[tuple[float, kt.FusedConfig]] = []
+        totals: list[tuple[float, kernels_fused.FusedConfig]] = []
         for fcfg in FUSED_CANDIDATES[block_m]:
             times: dict[str, float] = {}
             for name, slots in scen.items():
@@ -606,12 +610,12 @@ def section_decode_layer(args: argparse.Namespace, runs: Sequence[tuple[int, Con
     print(f"  no LoRA                  graph {base[0]:7.1f} us   eager {base[1]:7.1f} us")
     base_bytes = layer.base_bytes()
     for block_m, cfg in runs:
-        capacity = kt.chunk_capacity(BATCH, SLOTS, block_m)
-        plan = kt.plan_segments(list(range(BATCH)), DEV, block_m=block_m, num_chunks=capacity)
+        capacity = lora_plan.chunk_capacity(BATCH, SLOTS, block_m)
+        plan = lora_plan.plan_segments(list(range(BATCH)), DEV, block_m=block_m, num_chunks=capacity)
         tag = f"chunks of {block_m:2d} {cfg.variant.name:8s}"
 
         def triton_lora(
-            name: str, x: torch.Tensor, y: torch.Tensor, plan: kt.SegmentPlan = plan, cfg: Configs = cfg
+            name: str, x: torch.Tensor, y: torch.Tensor, plan: lora_plan.SegmentPlan = plan, cfg: Configs = cfg
         ) -> None:
             if index[name] == 0:
                 lora.h.zero_()  # the layer's one memset, before its first projection
@@ -625,7 +629,7 @@ def section_decode_layer(args: argparse.Namespace, runs: Sequence[tuple[int, Con
 
         wants: dict[str, torch.Tensor] = {}
         for name in ("1 adapter", "64 distinct"):
-            plan.copy_(kt.plan_segments(scen[name], DEV, block_m=block_m, num_chunks=capacity))
+            plan.copy_(lora_plan.plan_segments(scen[name], DEV, block_m=block_m, num_chunks=capacity))
             got = layer.step(triton_lora)
             slots = torch.tensor(scen[name], dtype=torch.int32, device=DEV)
             wants[name] = layer.step(partial(grouped_lora_hook, lora=lora, slots=slots))
@@ -639,7 +643,7 @@ def section_decode_layer(args: argparse.Namespace, runs: Sequence[tuple[int, Con
             print(f"  {tag}: graph capture failed, skipped: {exc!r}")
             continue
         for name, distinct in (("1 adapter", 1), ("64 distinct", SLOTS)):
-            plan.copy_(kt.plan_segments(scen[name], DEV, block_m=block_m, num_chunks=capacity))
+            plan.copy_(lora_plan.plan_segments(scen[name], DEV, block_m=block_m, num_chunks=capacity))
             graph.replay()
             err = float((graph_out - wants[name]).double().norm() / (wants[name] - base_out).double().norm())
             print(f"  check layer graph replay, {name}, {tag}: rel err of the LoRA effect {err:.2e}")

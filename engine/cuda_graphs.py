@@ -32,7 +32,7 @@ from engine.lora import LoRABatch, LoRAStacks
 from engine.model import DecoderModel, DecodeView, PrefillView
 
 if TYPE_CHECKING:
-    from engine.kernels_triton import SegmentPlan
+    from engine.lora_plan import SegmentPlan
 
 log = logging.getLogger("engine.graphs")
 
@@ -94,7 +94,7 @@ class DecodeGraphs:
     """Captured decode steps over one model, KV cache and LoRA stacks (CUDA only)."""
 
     def __init__(self, model: DecoderModel, kv: KVCache, stacks: LoRAStacks, max_batch: int, pool: GraphPool) -> None:
-        from engine.kernels_triton import plan_segments
+        from engine.lora_plan import plan_segments
 
         self.model, self.kv, self.stacks = model, kv, stacks
         self.device = kv.k[0].device
@@ -153,7 +153,7 @@ class DecodeGraphs:
         )
         self._inputs[:, :batch].copy_(host, non_blocking=True)
         if key.lora:
-            from engine.kernels_triton import plan_segments
+            from engine.lora_plan import plan_segments
 
             padded = token_slots + [-1] * pad
             self._plans[batch].copy_(plan_segments(padded, self.device, block_m=1, num_chunks=batch))
@@ -168,7 +168,7 @@ class PrefillGraphs:
     """Captured single-prompt prefills over one model, KV cache and LoRA stacks (CUDA only)."""
 
     def __init__(self, model: DecoderModel, kv: KVCache, stacks: LoRAStacks, pool: GraphPool) -> None:
-        from engine.kernels_triton import chunk_capacity
+        from engine.lora_plan import chunk_capacity
 
         self.model, self.kv, self.stacks = model, kv, stacks
         self.device = kv.k[0].device
@@ -188,7 +188,7 @@ class PrefillGraphs:
         self.replays = 0
 
     def _plan(self, token_slots: list[int]) -> SegmentPlan:
-        from engine.kernels_triton import plan_segments
+        from engine.lora_plan import plan_segments
 
         n = len(token_slots)
         return plan_segments(token_slots, self.device, block_m=self._block_m[n], num_chunks=self._chunks[n])

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.kernels_triton import SegmentPlan
+    from engine.lora_plan import SegmentPlan
 
 
 def lora_shrink_reference(
@@ -177,7 +177,7 @@ def _expand_grouped(
 
 
 def _plan(token_slots: torch.Tensor, device: torch.device, plan: SegmentPlan | None) -> SegmentPlan:
-    from engine.kernels_triton import plan_segments
+    from engine.lora_plan import plan_segments
 
     return plan if plan is not None else plan_segments(token_slots, device)
 
@@ -195,7 +195,7 @@ def lora_shrink(
 ) -> torch.Tensor:
     """h[T, L*R] = A[slot(t)] @ x[t] (zero for slot -1 and past each rank), in x's dtype.
 
-    On CUDA pass `plan` (`kernels_triton.plan_segments`, built once per step) to avoid reading
+    On CUDA pass `plan` (`lora_plan.plan_segments`, built once per step) to avoid reading
     `token_slots` back to the host. `pdl` / `short_chain`: the kernels' latency options (see
     `engine.kernels_triton`; None = its defaults); the CPU path has no use for them.
     """
@@ -254,7 +254,7 @@ def lora_apply(
     """shrink then expand (y += scaling * B @ (A @ x), per token's slot and per slice), in place.
 
     On CUDA this runs the separate shrink and expand kernels, h kept fp32 between them; pass `h`
-    (fp32 [T, L*R], zeroed) to reuse a workspace. `fused=True` runs `kernels_triton.fused` instead (one
+    (fp32 [T, L*R], zeroed) to reuse a workspace. `fused=True` runs `kernels_fused.fused` instead (one
     launch, h recomputed per program and kept in registers): correct, but 1.2-1.4x slower at Llama-7B
     decode shapes on an H200 (bench/RESULTS-gpu.md), hence not the default. `pdl` / `short_chain` pick the
     separate kernels' latency options (`engine.kernels_triton`; None = its defaults).
@@ -271,7 +271,9 @@ def lora_apply(
 
     plan = _plan(token_slots, x.device, plan)
     if fused:
-        kt.fused(y, x, a_stack, b_stack, ranks, scalings, plan, slice_sizes=slice_sizes)
+        from engine.kernels_fused import fused as fused_apply
+
+        fused_apply(y, x, a_stack, b_stack, ranks, scalings, plan, slice_sizes=slice_sizes)
         return
     if h is None:
         h = torch.zeros(x.shape[0], a_stack.shape[1], dtype=torch.float32, device=x.device)

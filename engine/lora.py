@@ -28,7 +28,7 @@ PROJECTION_GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 if TYPE_CHECKING:
-    from engine.kernels_triton import SegmentPlan
+    from engine.lora_plan import SegmentPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,7 +294,7 @@ class LoRABatch:
         # On CUDA the triton kernels take a per-step plan (tokens grouped by slot), built once here.
         self.plan: SegmentPlan | None = None
         if device.type == "cuda":
-            from engine.kernels_triton import plan_segments
+            from engine.lora_plan import plan_segments
 
             stacks.wait_ready(seg.slot for seg in self.segments)
             self.plan = plan_segments(token_slots, device)

@@ -90,7 +90,7 @@ SCENARIOS = {
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_lora_apply_matches_reference(name: str, dtype: torch.dtype, block_m: int | None, fused: bool) -> None:
-    from engine import kernels_triton as kt
+    from engine import lora_plan
 
     token_slots, slot_ranks, max_rank, k_dim, slice_sizes = SCENARIOS[name]
     a, b, ranks, scalings = stacks(slot_ranks, max_rank, k_dim, slice_sizes, dtype)
@@ -100,7 +100,7 @@ def test_lora_apply_matches_reference(name: str, dtype: torch.dtype, block_m: in
     want = reference(y0, x, a, b, ranks, scalings, slots, slice_sizes)
 
     y = y0.clone()
-    plan = kt.plan_segments(token_slots, "cuda", block_m=block_m)
+    plan = lora_plan.plan_segments(token_slots, "cuda", block_m=block_m)
     kernels.lora_apply(y, x, a, b, ranks, scalings, slots, slice_sizes=slice_sizes, plan=plan, fused=fused)
     torch.cuda.synchronize()
     assert rel_err(y, want) < TOLERANCE[dtype]
@@ -122,7 +122,7 @@ LATENCY_OPTIONS = {
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_latency_options_match_reference(name: str, block_m: int | None, options: str) -> None:
     """Eager launches, each right behind the memset of h (shrink) or the shrink (expand) it depends on."""
-    from engine import kernels_triton as kt
+    from engine import lora_plan
 
     token_slots, slot_ranks, max_rank, k_dim, slice_sizes = SCENARIOS[name]
     a, b, ranks, scalings = stacks(slot_ranks, max_rank, k_dim, slice_sizes, torch.bfloat16)
@@ -132,7 +132,7 @@ def test_latency_options_match_reference(name: str, block_m: int | None, options
     want = reference(y0, x, a, b, ranks, scalings, slots, slice_sizes)
 
     y = y0.clone()
-    plan = kt.plan_segments(token_slots, "cuda", block_m=block_m)
+    plan = lora_plan.plan_segments(token_slots, "cuda", block_m=block_m)
     pdl, short = LATENCY_OPTIONS[options]["pdl"], LATENCY_OPTIONS[options]["short_chain"]
     kernels.lora_apply(
         y, x, a, b, ranks, scalings, slots, slice_sizes=slice_sizes, plan=plan, pdl=pdl, short_chain=short
@@ -171,13 +171,16 @@ def test_front_shrink_then_expand(dtype: torch.dtype) -> None:
 def test_shrink_of_a_few_chunks_in_a_large_plan() -> None:
     """One adapter in a plan sized for 64: its chunks get many programs each (split K) and must add up."""
     from engine import kernels_triton as kt
+    from engine import lora_plan
 
     _, slot_ranks, max_rank, k_dim, slice_sizes = SCENARIOS["decode-mixed-ranks-64"]
     a, _, ranks, _ = stacks(slot_ranks, max_rank, k_dim, slice_sizes, torch.bfloat16)
     token_slots = [4] * 40 + [-1] * 24  # slot 4: rank 8 in a rank-64 stack
     slots = torch.tensor(token_slots, dtype=torch.int32, device="cuda")
     x = torch.randn(len(token_slots), k_dim, device="cuda").to(torch.bfloat16)
-    plan = kt.plan_segments(token_slots, "cuda", block_m=16, num_chunks=kt.chunk_capacity(64, len(slot_ranks), 16))
+    plan = lora_plan.plan_segments(
+        token_slots, "cuda", block_m=16, num_chunks=lora_plan.chunk_capacity(64, len(slot_ranks), 16)
+    )
     h = torch.zeros(len(token_slots), a.shape[1], device="cuda")
     kt.shrink(x, a, ranks, plan, h, num_slices=len(slice_sizes))
     want = kernels.lora_shrink(x.cpu(), a.cpu(), ranks.cpu(), slots.cpu(), num_slices=len(slice_sizes))
@@ -193,6 +196,7 @@ def test_shrink_of_a_few_chunks_in_a_large_plan() -> None:
 def test_cuda_graph_replays_a_new_plan(block_m: int, path: str, max_rank: int) -> None:
     """Also PDL under stream capture: the launches become programmatic edges of the graph. The mixed stack
     holds ranks 8..64: each replayed plan shares the grid out by other ranks."""
+    from engine import kernels_fused, lora_plan
     from engine import kernels_triton as kt
 
     fused = path == "fused"
@@ -204,12 +208,12 @@ def test_cuda_graph_replays_a_new_plan(block_m: int, path: str, max_rank: int) -
     x = torch.randn(num_tokens, k_dim, device="cuda").to(torch.bfloat16)
     y0 = torch.randn(num_tokens, sum(slice_sizes), device="cuda").to(torch.bfloat16)
     y = y0.clone()
-    capacity = kt.chunk_capacity(num_tokens, num_slots, block_m)
-    static = kt.plan_segments(list(range(num_tokens)), "cuda", block_m=block_m, num_chunks=capacity)
+    capacity = lora_plan.chunk_capacity(num_tokens, num_slots, block_m)
+    static = lora_plan.plan_segments(list(range(num_tokens)), "cuda", block_m=block_m, num_chunks=capacity)
 
     def step() -> None:
         if fused:
-            kt.fused(y, x, a, b, ranks, scalings, static, slice_sizes=slice_sizes)
+            kernels_fused.fused(y, x, a, b, ranks, scalings, static, slice_sizes=slice_sizes)
             return
         h = torch.zeros(num_tokens, a.shape[1], device="cuda")
         pdl, short = options["pdl"], options["short_chain"]
@@ -228,7 +232,7 @@ def test_cuda_graph_replays_a_new_plan(block_m: int, path: str, max_rank: int) -
     # One adapter, 8 adapters with -1 holes, 64 distinct: few units with many programs each, then many units.
     for token_slots in ([5] * 64, [t % 8 if t % 3 else -1 for t in range(64)], list(range(63, -1, -1))):
         slots = torch.tensor(token_slots, dtype=torch.int32, device="cuda")
-        static.copy_(kt.plan_segments(token_slots, "cuda", block_m=block_m, num_chunks=capacity))
+        static.copy_(lora_plan.plan_segments(token_slots, "cuda", block_m=block_m, num_chunks=capacity))
         y.copy_(y0)
         graph.replay()
         torch.cuda.synchronize()
@@ -241,6 +245,7 @@ def test_cuda_graph_replays_a_new_plan(block_m: int, path: str, max_rank: int) -
 def test_static_share_out_of_large_plans(monkeypatch: pytest.MonkeyPatch, block_m: int, options: str) -> None:
     """Plans past `_MAX_SCANNED_CHUNKS` give every chunk the stack's rank blocks and drop those past its rank."""
     from engine import kernels_triton as kt
+    from engine import lora_plan
 
     monkeypatch.setattr(kt, "_MAX_SCANNED_CHUNKS", 2)
     token_slots, slot_ranks, max_rank, k_dim, slice_sizes = SCENARIOS["decode-odd-ranks-64"]
@@ -249,7 +254,7 @@ def test_static_share_out_of_large_plans(monkeypatch: pytest.MonkeyPatch, block_
     x = torch.randn(len(token_slots), k_dim, device="cuda").to(torch.bfloat16)
     y0 = torch.randn(len(token_slots), sum(slice_sizes), device="cuda").to(torch.bfloat16)
     y = y0.clone()
-    plan = kt.plan_segments(token_slots, "cuda", block_m=block_m)
+    plan = lora_plan.plan_segments(token_slots, "cuda", block_m=block_m)
     kernels.lora_apply(
         y, x, a, b, ranks, scalings, slots, slice_sizes=slice_sizes, plan=plan, **LATENCY_OPTIONS[options]
     )

@@ -192,7 +192,7 @@ def test_slice_sizes_must_cover_b() -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_plan_groups_tokens_into_chunks() -> None:
-    from engine.kernels_triton import chunk_capacity, plan_segments
+    from engine.lora_plan import chunk_capacity, plan_segments
 
     slots = [3, -1, 3, 0, 3, 3, 0]
     plan = plan_segments(slots, "cpu", block_m=2, num_chunks=chunk_capacity(len(slots), 4, 2))
@@ -214,7 +214,7 @@ def test_plan_groups_tokens_into_chunks() -> None:
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_one_token_chunks_carry_their_token() -> None:
     """Chunks of 1 (decode): the short chain reads a chunk's token from its row, not from token_order."""
-    from engine.kernels_triton import plan_segments
+    from engine.lora_plan import plan_segments
 
     plan = plan_segments(SHORT_SLOTS, "cpu", block_m=1, num_chunks=len(SHORT_SLOTS) + 3)
     order = plan.token_order.tolist()
@@ -363,12 +363,13 @@ class TestInterpreted:
         options: dict[str, bool],
     ) -> None:
         from engine import kernels_triton as kt
+        from engine import lora_plan
 
         case = case_for(name, dtype, token_slots)
         tol = TOLERANCE[dtype]
         # Padding chunks must be no-ops; block_k 16 leaves a ragged K tail.
         num_chunks = 9 if block_m == 16 else len(token_slots) + 6
-        plan = kt.plan_segments(case.token_slots, "cpu", block_m=block_m, num_chunks=num_chunks)
+        plan = lora_plan.plan_segments(case.token_slots, "cpu", block_m=block_m, num_chunks=num_chunks)
         lr = case.a_stack.shape[1]
         h = torch.zeros(case.x.shape[0], lr)
         shrink_cfg = kt.ShrinkConfig(block_k=16, block_r=block_r, programs_per_sm=per_sm)
@@ -394,14 +395,14 @@ class TestInterpreted:
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     @pytest.mark.parametrize("name", sorted(CASES))
     def test_fused(self, name: str, dtype: torch.dtype, block_m: int, per_sm: int, token_slots: list[int]) -> None:
-        from engine import kernels_triton as kt
+        from engine import kernels_fused, lora_plan
 
         case = case_for(name, dtype, token_slots)
         num_chunks = 9 if block_m == 16 else len(token_slots) + 20
-        plan = kt.plan_segments(case.token_slots, "cpu", block_m=block_m, num_chunks=num_chunks)
+        plan = lora_plan.plan_segments(case.token_slots, "cpu", block_m=block_m, num_chunks=num_chunks)
         y = case.y.clone()
-        cfg = kt.FusedConfig(block_k=16, block_n=16, programs_per_sm=per_sm)
-        kt.fused(
+        cfg = kernels_fused.FusedConfig(block_k=16, block_n=16, programs_per_sm=per_sm)
+        kernels_fused.fused(
             y,
             case.x,
             case.a_stack,
@@ -417,20 +418,23 @@ class TestInterpreted:
         assert torch.equal(y[untouched], case.y[untouched])
 
     def test_front_runs_fused(self) -> None:
-        from engine import kernels_triton as kt
+        from engine import kernels_fused, lora_plan
 
         case = case_for("qkv-slices", torch.float32)
-        plan = kt.plan_segments(case.token_slots, "cpu", block_m=16)
+        plan = lora_plan.plan_segments(case.token_slots, "cpu", block_m=16)
         y = case.y.clone()
-        kt.fused(y, case.x, case.a_stack, case.b_stack, case.ranks, case.scalings, plan, slice_sizes=case.slice_sizes)
+        kernels_fused.fused(
+            y, case.x, case.a_stack, case.b_stack, case.ranks, case.scalings, plan, slice_sizes=case.slice_sizes
+        )
         assert rel_err(y, expected_y(case)) < TOLERANCE[torch.float32]
 
     def test_one_adapter_prefill_chunks(self) -> None:
         from engine import kernels_triton as kt
+        from engine import lora_plan
 
         slots = [0] * 40 + [-1] * 3
         case = make_case(torch.float32, [16], 16, 32, [32], slots, seed=7)
-        plan = kt.plan_segments(case.token_slots, "cpu", block_m=16)
+        plan = lora_plan.plan_segments(case.token_slots, "cpu", block_m=16)
         assert plan.num_chunks == 3
         y = case.y.clone()
         h = torch.zeros(len(slots), 16)
