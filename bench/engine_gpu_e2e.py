@@ -107,7 +107,9 @@ class Bench:
         settings.update(overrides)
         return LLMEngine(EngineConfig(**settings))  # type: ignore[arg-type]
 
-    def adapters(self, engine: LLMEngine, prefix: str, count: int, rank: int = 16, modules=ALL7) -> list[Path]:  # type: ignore[no-untyped-def]
+    def adapters(
+        self, engine: LLMEngine, prefix: str, count: int, rank: int = 16, modules: tuple[str, ...] = ALL7
+    ) -> list[Path]:
         paths = []
         for i in range(count):
             self.adapter_seed += 1

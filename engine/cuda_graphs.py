@@ -23,16 +23,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from engine.kv_cache import KVCache
 from engine.lora import LoRABatch, LoRAStacks
+from engine.lora_plan import SegmentPlan, chunk_capacity, plan_segments
 from engine.model import DecoderModel, DecodeView, PrefillView
-
-if TYPE_CHECKING:
-    from engine.lora_plan import SegmentPlan
 
 log = logging.getLogger("engine.graphs")
 
@@ -94,8 +92,6 @@ class DecodeGraphs:
     """Captured decode steps over one model, KV cache and LoRA stacks (CUDA only)."""
 
     def __init__(self, model: DecoderModel, kv: KVCache, stacks: LoRAStacks, max_batch: int, pool: GraphPool) -> None:
-        from engine.lora_plan import plan_segments
-
         self.model, self.kv, self.stacks = model, kv, stacks
         self.device = kv.k[0].device
         self.batches = batch_buckets(max_batch)
@@ -153,8 +149,6 @@ class DecodeGraphs:
         )
         self._inputs[:, :batch].copy_(host, non_blocking=True)
         if key.lora:
-            from engine.lora_plan import plan_segments
-
             padded = token_slots + [-1] * pad
             self._plans[batch].copy_(plan_segments(padded, self.device, block_m=1, num_chunks=batch))
             self._token_slots[:batch].copy_(torch.tensor(padded, dtype=torch.int32), non_blocking=True)
@@ -168,8 +162,6 @@ class PrefillGraphs:
     """Captured single-prompt prefills over one model, KV cache and LoRA stacks (CUDA only)."""
 
     def __init__(self, model: DecoderModel, kv: KVCache, stacks: LoRAStacks, pool: GraphPool) -> None:
-        from engine.lora_plan import chunk_capacity
-
         self.model, self.kv, self.stacks = model, kv, stacks
         self.device = kv.k[0].device
         self.lengths = prefill_buckets(kv.max_len)
@@ -188,8 +180,6 @@ class PrefillGraphs:
         self.replays = 0
 
     def _plan(self, token_slots: list[int]) -> SegmentPlan:
-        from engine.lora_plan import plan_segments
-
         n = len(token_slots)
         return plan_segments(token_slots, self.device, block_m=self._block_m[n], num_chunks=self._chunks[n])
 

@@ -56,8 +56,8 @@ class EngineStats:
 class _StepTrace:
     """Phase timer for `LLMEngine.step_trace` (benchmarks only)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, misses: int) -> None:
+        self.device, self.misses = device, misses  # slot misses before the step
         self.phases: list[float] = []
         self._last = time.perf_counter()
 
@@ -317,8 +317,7 @@ class LLMEngine:
         graph on a second stream, so the GPU overlaps them; prompts longer than the prefill buckets (and
         decode batches no bucket holds) run eagerly.
         """
-        trace = _StepTrace(self.device) if self.step_trace is not None else None
-        misses = self.pool.slot_misses
+        trace = _StepTrace(self.device, self.pool.slot_misses) if self.step_trace is not None else None
         admitted = set(self.scheduler.schedule())
         running = list(self.scheduler.running)
         if not running:
@@ -361,7 +360,7 @@ class LLMEngine:
         tokens = sample(logits, [s.params for s in order], [s.generator for s in order])
         if trace and self.step_trace is not None:
             trace.mark()
-            self.step_trace.append((tuple(trace.phases), (len(admitted), self.pool.slot_misses - misses)))
+            self.step_trace.append((tuple(trace.phases), (len(admitted), self.pool.slot_misses - trace.misses)))
         self.steps += 1
         for seq, token in zip(order, tokens, strict=True):
             self._append(seq, token)

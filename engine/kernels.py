@@ -29,12 +29,10 @@ Fused projections ("slices"): projections sharing an input (q, k, v; gate, up) m
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.lora_plan import SegmentPlan
+from engine.lora_plan import SegmentPlan, plan_segments
 
 
 def lora_shrink_reference(
@@ -177,8 +175,6 @@ def _expand_grouped(
 
 
 def _plan(token_slots: torch.Tensor, device: torch.device, plan: SegmentPlan | None) -> SegmentPlan:
-    from engine.lora_plan import plan_segments
-
     return plan if plan is not None else plan_segments(token_slots, device)
 
 

@@ -12,12 +12,12 @@ import contextlib
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine import kernels
 from engine.config import ModelArch
+from engine.lora_plan import SegmentPlan, plan_segments
 
 # Projections that share an input, applied together: (group -> members, in fused output column order).
 PROJECTION_GROUPS: dict[str, tuple[str, ...]] = {
@@ -26,9 +26,6 @@ PROJECTION_GROUPS: dict[str, tuple[str, ...]] = {
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
-
-if TYPE_CHECKING:
-    from engine.lora_plan import SegmentPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +117,6 @@ class LoRAStacks:
         self.group_b: dict[tuple[int, str], torch.Tensor] = {}
         self.group_slices = {g: tuple(shapes[m][1] for m in members) for g, members in PROJECTION_GROUPS.items()}
         fused = device.type == "cuda" if fused is None else fused
-        self.fused = fused
         for layer in range(arch.num_layers):
             for group, members in PROJECTION_GROUPS.items():
                 fan_in = shapes[members[0]][0]
@@ -294,8 +290,6 @@ class LoRABatch:
         # On CUDA the triton kernels take a per-step plan (tokens grouped by slot), built once here.
         self.plan: SegmentPlan | None = None
         if device.type == "cuda":
-            from engine.lora_plan import plan_segments
-
             stacks.wait_ready(seg.slot for seg in self.segments)
             self.plan = plan_segments(token_slots, device)
         self.h = self._workspace(len(token_slots))

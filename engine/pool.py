@@ -90,7 +90,7 @@ class AdapterPool:
         eviction: EvictionPolicy | None = None,
         loader: AdapterLoader | None = None,
     ) -> None:
-        self._arch, self._stacks, self._dtype = arch, stacks, dtype
+        self._arch, self._stacks = arch, stacks
         # Every slot holds up to max_rank whatever the adapter's rank, so slots are sized 1 for the policy.
         self._eviction: EvictionPolicy = eviction if eviction is not None else DecayedFrequencyPolicy()
         self._host_capacity = host_capacity

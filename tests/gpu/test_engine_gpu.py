@@ -15,6 +15,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.loader import load_weights, resolve_model
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 from tests.support.random_model import write_random_llama
@@ -41,13 +42,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def adapter_dirs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adapters")
-    probe = _engine(model_dir, eager=True)
+    arch, _ = load_weights(resolve_model(str(model_dir)))  # the shapes only; no engine needed
     dirs = {
-        name: write_adapter(root / name, arch=probe.arch, rank=r, alpha=2 * r, modules=mods, seed=i)
+        name: write_adapter(root / name, arch=arch, rank=r, alpha=2 * r, modules=mods, seed=i)
         for i, (name, (r, mods)) in enumerate(ADAPTERS.items())
     }
-    dirs["r16-v2"] = write_adapter(root / "v2", arch=probe.arch, rank=16, alpha=32, modules=ALL7, seed=99)
-    probe.stop()
+    dirs["r16-v2"] = write_adapter(root / "v2", arch=arch, rank=16, alpha=32, modules=ALL7, seed=99)
     return dirs
 
 

@@ -39,17 +39,27 @@ def _save_tiny(kind: str, folder: Path) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
-def test_prefill_and_decode_match_transformers(kind: str, tmp_path: Path) -> None:
+def _ours_and_reference(kind: str, tmp_path: Path) -> tuple[DecoderModel, KVCache, torch.Tensor]:
+    """Our model of a saved tiny `kind`, an empty 2-slot KV cache, and transformers' logits for
+    PROMPT + [11, 12]."""
     reference = _save_tiny(kind, tmp_path)
     arch, state = load_weights(resolve_model(str(tmp_path)))
-    assert arch.arch == kind and arch.qkv_bias == (kind == "qwen2")
     ours = DecoderModel(arch)
     ours.load_state(state)
     kv = KVCache(arch, slots=2, max_len=32, dtype=torch.float32, device=torch.device("cpu"))
-    prompt = [5, 17, 42, 8, 90, 3]
     with torch.no_grad():
-        ref_logits = reference(torch.tensor([[*prompt, 11, 12]])).logits[0]
+        ref_logits = reference(torch.tensor([[*PROMPT, 11, 12]])).logits[0]
+    return ours, kv, ref_logits
+
+
+PROMPT = [5, 17, 42, 8, 90, 3]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_prefill_and_decode_match_transformers(kind: str, tmp_path: Path) -> None:
+    ours, kv, ref_logits = _ours_and_reference(kind, tmp_path)
+    assert ours.arch.arch == kind and ours.arch.qkv_bias == (kind == "qwen2")
+    prompt = PROMPT
     # Prefill the prompt in slot 1, then decode two tokens one by one.
     logits = ours(torch.tensor(prompt), torch.arange(len(prompt)), [SeqSlice(1, 0, len(prompt), len(prompt))], kv, None)
     torch.testing.assert_close(logits[0], ref_logits[len(prompt) - 1], rtol=1e-4, atol=1e-4)
@@ -107,14 +117,8 @@ def test_batched_decode_step_matches_per_sequence_decode(tmp_path: Path) -> None
 def test_padded_prefill_and_buffer_decode_match_transformers(tmp_path: Path) -> None:
     """The device-tensor-only paths the CUDA graphs capture (`prefill`, `decode`), run eagerly on the CPU:
     a prompt padded past its end, then decode steps padded with scratch-row sequences."""
-    reference = _save_tiny("llama", tmp_path)
-    arch, state = load_weights(resolve_model(str(tmp_path)))
-    ours = DecoderModel(arch)
-    ours.load_state(state)
-    kv = KVCache(arch, slots=2, max_len=32, dtype=torch.float32, device=torch.device("cpu"))
-    prompt = [5, 17, 42, 8, 90, 3]
-    with torch.no_grad():
-        ref_logits = reference(torch.tensor([[*prompt, 11, 12]])).logits[0]
+    ours, kv, ref_logits = _ours_and_reference("llama", tmp_path)
+    prompt = PROMPT
     padded = torch.tensor([*prompt, 0, 0, 0, 0])  # padded to 10 tokens
     view = PrefillView(slot=torch.tensor([1]), last=torch.tensor([len(prompt) - 1]))
     logits = ours.prefill(padded, torch.arange(10), view, kv, None)
