@@ -33,6 +33,7 @@ from tests.unit.engine.tiny import write_adapter
 
 ALL7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SUMMARY: list[str] = []
+LOADER = "thread"  # the adapter loader of the engine being measured (sections d and f run once per loader)
 TRACE = False  # --trace: per-step phase timings of the cold-join and Zipf runs (adds a sync per phase)
 Request = tuple[str, list[int], SamplingParams, str | None]
 
@@ -42,9 +43,19 @@ def report(line: str) -> None:
     SUMMARY.append(line)
 
 
+def report_loader(line: str) -> None:
+    """`report` for a figure of sections d and f, which run once per adapter loader."""
+    report(f"[{LOADER} loader] {line}")
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def free_gpu_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def p50(values: list[float]) -> float:
@@ -191,13 +202,17 @@ def section_cold_start(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
     eng.load_adapter("warm", str(paths[0]), wait=True)
     ttft(eng, "warmup", prompt, "warm")
     warm, host, disk = [], [], []
+    if TRACE:
+        eng.step_trace = []
     for i in range(1, 6):  # interleaved so drift hits all three alike
         warm.append(ttft(eng, f"w{i}", prompt, "warm"))
         eng.load_adapter(f"h{i}", str(paths[i]), wait=True)  # in host memory, not in a slot
         host.append(ttft(eng, f"hq{i}", prompt, f"h{i}"))
         eng.load_adapter(f"d{i}", str(paths[5 + i]), wait=False)  # registered, still on disk
         disk.append(ttft(eng, f"dq{i}", prompt, f"d{i}"))
-    report(
+    if TRACE:
+        print_trace(eng, "cold-start TTFT (warm, host, disk; 2 steps each)")
+    report_loader(
         f"(d) cold start TTFT p50: warm {p50(warm) * 1e3:.2f} ms, host RAM {p50(host) * 1e3:.2f} ms "
         f"({p50(host) / p50(warm):.2f}x warm), disk {p50(disk) * 1e3:.2f} ms (+{(p50(disk) - p50(warm)) * 1e3:.1f} ms)"
     )
@@ -213,7 +228,7 @@ def section_cold_start(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
             sync()
             times.append(time.perf_counter() - t)
         size = packed.numel() * packed.element_size()
-        report(
+        report_loader(
             f"(d) one adapter's slot image: {size / 2**20:.1f} MiB, pinned host->GPU p50 {p50(times) * 1e3:.2f} ms "
             f"({size / p50(times) / 1e9:.1f} GB/s)"
         )
@@ -273,7 +288,7 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
     if TRACE:
         print_trace(eng, "cold joins")
         print(f"  [cold joins] register (validate + submit) on the caller's thread: max {max(register_s) * 1e3:.1f} ms")
-    report(
+    report_loader(
         f"(d) others' inter-token latency p99: steady {p99(steady) * 1e3:.2f} ms; while 12 warm-adapter requests "
         f"join {p99(warm) * 1e3:.2f} ms ({p99(warm) / p99(steady):.2f}x steady); while 12 cold-adapter requests "
         f"join and load {p99(cold) * 1e3:.2f} ms ({p99(cold) / p99(steady):.2f}x steady, "
@@ -287,7 +302,7 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
         blocks = [torch.empty_like(packed, pin_memory=True) for _ in range(14)]
         del blocks
         cold_warm_pinned = gaps("cold", "p", first_path=24)
-        report(
+        report_loader(
             f"(d) same cold joins with the pinned-memory cache warmed first: p99 {p99(cold_warm_pinned) * 1e3:.2f} ms "
             f"({p99(cold_warm_pinned) / p99(steady):.2f}x steady, {p99(cold_warm_pinned) / p99(warm):.2f}x warm joins)"
         )
@@ -379,8 +394,7 @@ def section_zipf(b: Bench, prompt: list[int], requests: int, rate: float) -> Non
         results[policy] = (ttfts, hits / max(hits + misses, 1))
         eng.stop()
         del eng
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_gpu_memory()
     one = p99(results["one adapter"][0])
     for policy in ("frequency", "lru"):
         t, hit = results[policy]
@@ -427,7 +441,7 @@ def section_hot_swap(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
         totals.append(first[0] - t0)
         switches.append(switched - t0)
         eng.run_until_idle()
-    report(
+    report_loader(
         f"(f) hot swap under load, p50 of {len(totals)}: apply -> first token on the new version "
         f"{p50(totals) * 1e3:.1f} ms (apply -> switch, i.e. the staged load, {p50(switches) * 1e3:.1f} ms)"
     )
@@ -441,9 +455,10 @@ def main() -> None:
     ap.add_argument("--zipf-requests", type=int, default=1500)
     ap.add_argument("--zipf-rate", type=float, default=150.0)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (no figures)")
+    ap.add_argument("--loaders", default="thread,process", help="adapter loaders to compare in sections d and f")
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
     args = ap.parse_args()
-    global TRACE
+    global TRACE, LOADER
     TRACE = args.trace
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"device: {name}, torch {torch.__version__}", flush=True)
@@ -454,15 +469,23 @@ def main() -> None:
     prompt = eng.tokenizer.encode_chat([("user", "Tell me something about the ocean.")])
     if "b" in args.only:
         section_throughput(b, eng, prompt)
-    if "d" in args.only:
-        section_cold_start(b, eng, prompt)
-        section_others_during_loads(b, eng, prompt)
-    if "f" in args.only:
-        section_hot_swap(b, eng, prompt)
     eng.stop()
     del eng
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_gpu_memory()
+    # Cold starts, loads under traffic and hot swap, once per adapter loader, side by side in this run.
+    for loader in args.loaders.split(","):
+        if not {"d", "f"}.intersection(args.only):
+            break
+        LOADER = loader
+        eng = b.engine(adapter_loader=loader)
+        if "d" in args.only:
+            section_cold_start(b, eng, prompt)
+            section_others_during_loads(b, eng, prompt)
+        if "f" in args.only:
+            section_hot_swap(b, eng, prompt)
+        eng.stop()
+        del eng
+        free_gpu_memory()
     if "e" in args.only:
         section_zipf(b, prompt, args.zipf_requests, args.zipf_rate)
     print("\n== summary ==")

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from engine.adapters import AdapterSpec, host_copy, load_adapter
-from engine.lora import AdapterWeights, SlotLayout, pack_adapter
+from engine.lora import AdapterWeights, SlotLayout
 
 
 class AdapterLoader(Protocol):
@@ -30,9 +30,7 @@ class AdapterLoader(Protocol):
 
 def read_adapter(spec: AdapterSpec, dtype: torch.dtype, layout: SlotLayout | None, pin: bool) -> AdapterWeights:
     """Disk -> host memory; for fused stacks (`layout`) straight into the slot layout."""
-    if layout is None:
-        return load_adapter(spec, dtype, pin=pin)
-    return pack_adapter(layout, load_adapter(spec, dtype, pin=False), pin=pin)
+    return load_adapter(spec, dtype, pin=pin, layout=layout)
 
 
 class ThreadLoader:
@@ -99,7 +97,7 @@ def _own(weights: AdapterWeights, pin: bool) -> AdapterWeights:
     if weights.packed is not None:
         packed = torch.empty_like(weights.packed, pin_memory=pin)
         packed.copy_(weights.packed)
-        return AdapterWeights(weights.rank, weights.scaling, weights.modules, {}, packed, weights.packed_keys)
+        return AdapterWeights(weights.rank, weights.scaling, weights.modules, {}, packed, weights.packed_groups)
     dtype = next(iter(weights.tensors.values()))[0].dtype
     tensors, _ = host_copy(weights.tensors, dtype, pin)
     return AdapterWeights(weights.rank, weights.scaling, weights.modules, tensors)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from engine.config import LORA_MODULES, ModelArch
-from engine.lora import AdapterWeights
+from engine.lora import AdapterWeights, SlotLayout, pack_adapter
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -118,8 +118,11 @@ def _check_weights_header(folder: Path, arch: ModelArch, rank: int) -> frozenset
     return frozenset(modules)
 
 
-def load_adapter(spec: AdapterSpec, dtype: torch.dtype, pin: bool | None = None) -> AdapterWeights:
-    """Read the adapter's tensors into host memory (pinned by default when CUDA is available)."""
+def load_adapter(
+    spec: AdapterSpec, dtype: torch.dtype, pin: bool | None = None, layout: SlotLayout | None = None
+) -> AdapterWeights:
+    """Read the adapter's tensors into one `dtype` host buffer, pinned (by default when CUDA is available)
+    for asynchronous copies to a GPU; for fused stacks (`layout`) straight into their slot layout."""
     from safetensors import SafetensorError
     from safetensors.torch import load
 
@@ -140,13 +143,34 @@ def load_adapter(spec: AdapterSpec, dtype: torch.dtype, pin: bool | None = None)
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"{spec.path}: layer {key[0]} {key[1]} lacks lora_{'B' if 'A' in pair else 'A'}")
         tensors[key] = (pair["A"], pair["B"])
-    host, flat = host_copy(tensors, dtype, torch.cuda.is_available() if pin is None else pin)
-    if not torch.isfinite(flat).all():  # one check over the whole buffer; find the culprit only on failure
+    pin = torch.cuda.is_available() if pin is None else pin
+    # The conversion to `dtype` happens in the one copy into the final buffer, which is checked as a whole
+    # (values finite in the file can overflow in a narrower dtype); the culprit is looked for only on failure.
+    weights = AdapterWeights(rank=spec.rank, scaling=spec.scaling, modules=spec.modules, tensors=tensors)
+    if layout is not None:
+        weights = pack_adapter(layout, weights, dtype, pin)
+        flat = weights.packed
+    else:
+        host, flat = host_copy(tensors, dtype, pin)
+        weights = AdapterWeights(rank=spec.rank, scaling=spec.scaling, modules=spec.modules, tensors=host)
+    assert flat is not None
+    if not _all_finite(flat):
         name = next(
-            f"{key[1]} of layer {key[0]}" for key, pair in host.items() if not all(t.isfinite().all() for t in pair)
+            f"{key[1]} of layer {key[0]}"
+            for key, pair in tensors.items()
+            if not all(t.to(dtype).isfinite().all() for t in pair)
         )
         raise AdapterError(f"{spec.path}: {name} contains NaN or infinite values (in {dtype})")
-    return AdapterWeights(rank=spec.rank, scaling=spec.scaling, modules=spec.modules, tensors=host)
+    return weights
+
+
+def _all_finite(values: torch.Tensor) -> bool:
+    """Whether no value is NaN or infinite. Extremes propagate both (NaN wins min and max, an infinity wins
+    one of them): one reduction, many times faster on the CPU than an elementwise isfinite in bf16."""
+    if values.numel() == 0:
+        return True
+    low, high = torch.aminmax(values)
+    return bool(torch.isfinite(low) and torch.isfinite(high))
 
 
 def host_copy(

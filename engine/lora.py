@@ -9,7 +9,6 @@ forward pass serves base rows and any mix of adapters and ranks.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -36,10 +35,11 @@ class AdapterWeights:
     scaling: float
     modules: frozenset[str]
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-    # For fused (CUDA) stacks, `LoRAStacks.pack` replaces `tensors` by the adapter's image of one slot:
-    # per (layer, group) in `packed_keys`, the group's A block then its B block, zero-padded to max rank.
+    # For fused (CUDA) stacks the adapter is held instead as one buffer in slot layout (`pack_adapter`):
+    # per group in `packed_groups`, A [layers, members, rank, in] then B [layers, out, rank], at the
+    # adapter's own rank (the copy into a slot pads to the stack's max rank).
     packed: torch.Tensor | None = None
-    packed_keys: tuple[tuple[int, str], ...] = ()
+    packed_groups: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -49,48 +49,67 @@ class AdapterWeights:
 
 @dataclass(frozen=True, slots=True)
 class SlotLayout:
-    """Shapes of one slot of fused stacks, per (layer, group) in stack order; plain data, so a loader
-    process can pack adapters without the stacks themselves."""
+    """Shapes of fused stacks, per projection group: plain data, so a loader process can pack adapters
+    without the stacks themselves."""
 
+    num_layers: int
     max_rank: int
-    group_slices: dict[str, tuple[int, ...]]
-    blocks: tuple[tuple[tuple[int, str], tuple[int, ...], tuple[int, ...]], ...]  # key, A shape, B shape
+    group_slices: dict[str, tuple[int, ...]]  # output width of each member
+    group_fan_in: dict[str, int]
+
+    def image_size(self, groups: Iterable[str], rank: int) -> int:
+        """Elements of an adapter image of `rank` covering `groups`."""
+        return sum(sum(self._sizes(group, rank)) for group in groups)
+
+    def _sizes(self, group: str, rank: int) -> tuple[int, int]:
+        slices = self.group_slices[group]
+        per_layer = len(slices) * rank * self.group_fan_in[group], sum(slices) * rank
+        return per_layer[0] * self.num_layers, per_layer[1] * self.num_layers
 
     def images(
-        self, buffer: torch.Tensor, keys: tuple[tuple[int, str], ...]
+        self, buffer: torch.Tensor, groups: tuple[str, ...], rank: int
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Views of `buffer` shaped like one slot of each key's group stacks (A block, then B block)."""
-        shapes = {key: (a, b) for key, a, b in self.blocks}
+        """Views of `buffer` as each group's A [layers, members, rank, in] and B [layers, out, rank]."""
         out, offset = [], 0
-        for key in keys:
-            a_shape, b_shape = shapes[key]
-            a_size, b_size = math.prod(a_shape), math.prod(b_shape)
-            a_img = buffer[offset : offset + a_size].view(a_shape)
-            out.append((a_img, buffer[offset + a_size : offset + a_size + b_size].view(b_shape)))
+        for group in groups:
+            a_size, b_size = self._sizes(group, rank)
+            members, out_width = len(self.group_slices[group]), sum(self.group_slices[group])
+            a_img = buffer[offset : offset + a_size].view(self.num_layers, members, rank, self.group_fan_in[group])
+            b_img = buffer[offset + a_size : offset + a_size + b_size].view(self.num_layers, out_width, rank)
+            out.append((a_img, b_img))
             offset += a_size + b_size
         return out
 
 
-def pack_adapter(layout: SlotLayout, adapter: AdapterWeights, pin: bool) -> AdapterWeights:
-    """The adapter as one host buffer in slot layout, so `LoRAStacks.set_lora` moves it with one
-    host->device copy and one multi-tensor device copy instead of a copy per tensor. Groups the adapter
+def pack_adapter(layout: SlotLayout, adapter: AdapterWeights, dtype: torch.dtype, pin: bool) -> AdapterWeights:
+    """The adapter (any float dtype) as one `dtype` host buffer in slot layout at its own rank.
+
+    `LoRAStacks.set_lora` then moves it with one host->device copy and a few strided device copies,
+    whatever the number of layers; the host tiers hold rank, not max-rank, bytes. Groups the adapter
     leaves alone are not stored (their group rank of 0 makes the kernels skip them)."""
-    keys = tuple(key for key, _, _ in layout.blocks if adapter.modules.intersection(PROJECTION_GROUPS[key[1]]))
-    sizes = {key: math.prod(a) + math.prod(b) for key, a, b in layout.blocks}
-    dtype = next(iter(adapter.tensors.values()))[0].dtype
-    buffer = torch.zeros(sum(sizes[k] for k in keys), dtype=dtype, pin_memory=pin)
-    r, rmax, dst, src = adapter.rank, layout.max_rank, [], []
-    for (layer, group), (a_img, b_img) in zip(keys, layout.images(buffer, keys), strict=True):
-        n0 = 0
-        for i, (module, width) in enumerate(zip(PROJECTION_GROUPS[group], layout.group_slices[group], strict=True)):
-            pair = adapter.tensors.get((layer, module))
-            if pair is not None:
-                dst += [a_img[i * rmax : i * rmax + r], b_img[n0 : n0 + width, :r]]
-                src += list(pair)
-            n0 += width
+    groups = tuple(g for g, members in PROJECTION_GROUPS.items() if adapter.modules.intersection(members))
+    r = adapter.rank
+    buffer = torch.empty(layout.image_size(groups, r), dtype=dtype, pin_memory=pin)
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    absent: list[torch.Tensor] = []
+    for group, (a_img, b_img) in zip(groups, layout.images(buffer, groups, r), strict=True):
+        for layer in range(layout.num_layers):
+            n0 = 0
+            for i, (module, width) in enumerate(zip(PROJECTION_GROUPS[group], layout.group_slices[group], strict=True)):
+                views = [a_img[layer, i], b_img[layer, n0 : n0 + width]]
+                pair = adapter.tensors.get((layer, module))
+                if pair is None:
+                    absent += views
+                else:
+                    dst += views
+                    src += pair
+                n0 += width
+    if absent:
+        torch._foreach_zero_(absent)
     if dst:
         torch._foreach_copy_(dst, src)
-    return AdapterWeights(adapter.rank, adapter.scaling, adapter.modules, {}, buffer, keys)
+    return AdapterWeights(adapter.rank, adapter.scaling, adapter.modules, {}, buffer, groups)
 
 
 class LoRAStacks:
@@ -117,12 +136,22 @@ class LoRAStacks:
         self.group_b: dict[tuple[int, str], torch.Tensor] = {}
         self.group_slices = {g: tuple(shapes[m][1] for m in members) for g, members in PROJECTION_GROUPS.items()}
         fused = device.type == "cuda" if fused is None else fused
+        # A fused group's stacks of all layers are one tensor each, [layers, slots, ...]: a slot of every
+        # layer is then one strided view, which `set_lora` fills with one copy per group.
+        self._group_a_all: dict[str, torch.Tensor] = {}
+        self._group_b_all: dict[str, torch.Tensor] = {}
+        group_fan_in = {g: shapes[members[0]][0] for g, members in PROJECTION_GROUPS.items()}
+        if fused:
+            for group, members in PROJECTION_GROUPS.items():
+                a_shape = (arch.num_layers, slots, len(members) * max_rank, group_fan_in[group])
+                b_shape = (arch.num_layers, slots, sum(self.group_slices[group]), max_rank)
+                self._group_a_all[group] = torch.zeros(a_shape, dtype=dtype, device=device)
+                self._group_b_all[group] = torch.zeros(b_shape, dtype=dtype, device=device)
         for layer in range(arch.num_layers):
             for group, members in PROJECTION_GROUPS.items():
-                fan_in = shapes[members[0]][0]
+                fan_in = group_fan_in[group]
                 if fused:
-                    a = torch.zeros(slots, len(members) * max_rank, fan_in, dtype=dtype, device=device)
-                    b = torch.zeros(slots, sum(self.group_slices[group]), max_rank, dtype=dtype, device=device)
+                    a, b = self._group_a_all[group][layer], self._group_b_all[group][layer]
                     self.group_a[(layer, group)], self.group_b[(layer, group)] = a, b
                 n0 = 0
                 for i, module in enumerate(members):
@@ -142,15 +171,7 @@ class LoRAStacks:
         for key, a in self.group_a.items():
             self.h_offsets[key] = (sum(w for _, w in self.h_offsets.values()), a.shape[1])
         self.h_width = sum(w for _, w in self.h_offsets.values())
-        self.layout = (
-            SlotLayout(
-                max_rank,
-                self.group_slices,
-                tuple((key, tuple(a.shape[1:]), tuple(self.group_b[key].shape[1:])) for key, a in self.group_a.items()),
-            )
-            if fused
-            else None
-        )
+        self.layout = SlotLayout(arch.num_layers, max_rank, self.group_slices, group_fan_in) if fused else None
         self.ranks = torch.zeros(slots, dtype=torch.int32, device=device)
         self.modules: frozenset[str] = frozenset(shapes)
         # Rank per slot and group, 0 where the slot's adapter touches none of the group's projections: the
@@ -168,7 +189,7 @@ class LoRAStacks:
         """`pack_adapter` for this engine's stacks (pinned when CUDA is present); loose stacks keep it as is."""
         if self.layout is None:
             return adapter
-        return pack_adapter(self.layout, adapter, pin=torch.cuda.is_available())
+        return pack_adapter(self.layout, adapter, self.dtype, pin=torch.cuda.is_available())
 
     def set_lora(self, slot: int, adapter: AdapterWeights) -> None:
         """Copy `adapter` into `slot` (replacing whatever was there).
@@ -180,6 +201,10 @@ class LoRAStacks:
         """
         if adapter.rank > self.max_rank:
             raise ValueError(f"rank {adapter.rank} exceeds the engine's max_lora_rank {self.max_rank}")
+        if self.layout is not None and adapter.packed is None:
+            # Fused stacks are only ever filled whole groups at a time, which is what lets `reset_lora`
+            # skip zeroing them.
+            adapter = self.pack(adapter)
         r = adapter.rank
         stream = self._copy_stream
         if stream is not None:
@@ -202,13 +227,25 @@ class LoRAStacks:
         self.slot_modules[slot] = adapter.modules
 
     def _copy_packed(self, slot: int, adapter: AdapterWeights) -> None:
-        # Whole group blocks are overwritten (zero padding included) and other groups get rank 0, so the
-        # slot's previous adapter needs no zeroing.
-        assert adapter.packed is not None
-        staging = adapter.packed.to(self.group_ranks["qkv"].device, non_blocking=True)
-        dst = [t for key in adapter.packed_keys for t in (self.group_a[key][slot], self.group_b[key][slot])]
-        assert self.layout is not None
-        src = [t for pair in self.layout.images(staging, adapter.packed_keys) for t in pair]
+        # Per group, the slot of every layer is one strided view: copy the image into its first `rank`
+        # rows (A) and columns (B), zero the rest up to max rank. Groups the adapter leaves alone keep
+        # stale weights behind a group rank of 0, which the kernels skip.
+        assert adapter.packed is not None and self.layout is not None
+        staging = adapter.packed.to(self.ranks.device, non_blocking=True)
+        r, rmax = adapter.rank, self.max_rank
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        padding: list[torch.Tensor] = []
+        images = self.layout.images(staging, adapter.packed_groups, r)
+        for group, (a_img, b_img) in zip(adapter.packed_groups, images, strict=True):
+            a = self._group_a_all[group][:, slot].unflatten(1, (a_img.shape[1], rmax))  # [L, members, rmax, in]
+            b = self._group_b_all[group][:, slot]  # [L, out, rmax]
+            dst += [a[:, :, :r], b[:, :, :r]]
+            src += [a_img, b_img]
+            if r < rmax:
+                padding += [a[:, :, r:], b[:, :, r:]]
+        if padding:
+            torch._foreach_zero_(padding)
         if dst:
             torch._foreach_copy_(dst, src)
 
@@ -255,8 +292,13 @@ class LoRAStacks:
         return views
 
     def reset_lora(self, slot: int) -> None:
-        """Zero `slot`: afterwards it contributes nothing."""
-        _zero(self._stale_views(slot, None))
+        """Clear `slot`: afterwards it contributes nothing.
+
+        Fused stacks are not zeroed: group ranks of 0 hide the slot from the kernels, and the next fill
+        rewrites whole groups, padding included. That saves an eviction hundreds of small device launches
+        on the engine's thread (one per strided view)."""
+        if self.layout is None:
+            _zero(self._stale_views(slot, None))
         self.ranks[slot] = 0
         self.scalings[slot] = 0.0
         for ranks in self.group_ranks.values():

@@ -37,7 +37,7 @@ def process_loaders(fused_layout) -> Iterator[dict[str, ProcessLoader]]:  # type
 
 
 def _same(a: AdapterWeights, b: AdapterWeights) -> None:
-    assert (a.rank, a.scaling, a.modules, a.packed_keys) == (b.rank, b.scaling, b.modules, b.packed_keys)
+    assert (a.rank, a.scaling, a.modules, a.packed_groups) == (b.rank, b.scaling, b.modules, b.packed_groups)
     assert a.tensors.keys() == b.tensors.keys()
     for key, (a_a, a_b) in a.tensors.items():
         torch.testing.assert_close(a_a, b.tensors[key][0], rtol=0, atol=0)

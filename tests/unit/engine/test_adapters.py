@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine.adapters import AdapterError, load_adapter, read_spec
+from engine.lora import LoRAStacks
 from tests.unit.engine.tiny import TINY, write_adapter
 
 
@@ -61,16 +62,34 @@ def test_rank_above_engine_limit(tmp_path: Path) -> None:
         read_spec(folder, TINY, max_rank=16)
 
 
-def test_nan_weights_are_refused_at_load(tmp_path: Path) -> None:
+@pytest.mark.parametrize("packed", [False, True], ids=["loose", "packed"])
+@pytest.mark.parametrize(
+    ("value", "dtype"),
+    [
+        (float("nan"), torch.float32),
+        (float("inf"), torch.float32),
+        (-float("inf"), torch.bfloat16),
+        (1e6, torch.float16),
+    ],
+    ids=["nan", "inf", "-inf", "overflows-fp16"],
+)
+def test_non_finite_weights_are_refused_at_load(value: float, dtype: torch.dtype, packed: bool, tmp_path: Path) -> None:
+    """Loose or packed into the slot layout, a NaN, an infinity, or a value past the engine dtype's range
+    (finite in the fp32 file) is refused, naming the projection and layer."""
     from safetensors.torch import load_file, save_file
 
-    folder = write_adapter(tmp_path / "nan")
-    tensors = load_file(str(folder / "adapter_model.safetensors"))
-    first = next(iter(tensors))
-    tensors[first][0, 0] = float("nan")
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    with pytest.raises(AdapterError, match="NaN"):
-        load_adapter(read_spec(folder, TINY, 16), torch.float32)
+    folder = write_adapter(tmp_path / "bad", modules=("q_proj", "v_proj"))
+    path = str(folder / "adapter_model.safetensors")
+    tensors = load_file(path)
+    name = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    tensors[name][2, 1] = value
+    save_file(tensors, path)
+    layout = LoRAStacks(TINY, 1, 8, dtype, torch.device("cpu"), fused=True).layout if packed else None
+    with pytest.raises(AdapterError, match="v_proj of layer 1 contains NaN or infinite"):
+        load_adapter(read_spec(folder, TINY, 16), dtype, pin=False, layout=layout)
+    tensors[name][2, 1] = 0.5  # the same file, repaired, loads
+    save_file(tensors, path)
+    assert load_adapter(read_spec(folder, TINY, 16), dtype, pin=False, layout=layout).rank == 4
 
 
 def _patch_config(folder: Path, **changes: object) -> None:

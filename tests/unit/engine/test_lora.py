@@ -105,11 +105,14 @@ def test_packed_adapters_fill_fused_stacks_like_loose_copies() -> None:
     per-projection copies write, replacements included, and zero group ranks where an adapter is absent."""
     fused = LoRAStacks(TINY, slots=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"), fused=True)
     loose = LoRAStacks(TINY, slots=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
-    first = random_adapter(8, 1.0, ("q_proj", "v_proj", "o_proj"), seed=4)
+    # The second replaces the first in slot 1 at a lower rank: the padding past rank 4 must be zeroed.
+    first = random_adapter(8, 1.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"), seed=4)
     second = random_adapter(4, 2.0, ("k_proj", "gate_proj"), seed=5)
-    for adapter in (first, second):  # the second replaces the first in slot 1
+    for adapter in (first, second):
         packed = fused.pack(adapter)
         assert packed.packed is not None and not packed.tensors
+        assert fused.layout is not None  # images hold the adapter's rank, not the stack's max rank
+        assert packed.packed.numel() == fused.layout.image_size(packed.packed_groups, adapter.rank)
         fused.set_lora(1, packed)
         loose.set_lora(1, adapter)
     for layer in range(TINY.num_layers):
@@ -127,3 +130,23 @@ def test_packed_adapters_fill_fused_stacks_like_loose_copies() -> None:
         batch.apply_group(0, "gate_up", x, y)
     torch.testing.assert_close(y_fused, y_loose)
     assert y_fused[1].abs().sum() == 0 and y_fused[0].abs().sum() > 0
+
+
+def test_fused_slot_reset_then_refilled_from_loose_weights_holds_only_the_new_adapter() -> None:
+    """Resetting a fused slot leaves its weights behind (group ranks of 0 hide them); a later fill, even
+    from loose (unpacked) weights of a lower rank and fewer projections, must then leave nothing of them
+    where the kernels read."""
+    fused = LoRAStacks(TINY, slots=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"), fused=True)
+    loose = LoRAStacks(TINY, slots=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    old = random_adapter(8, 1.0, ("q_proj", "k_proj", "v_proj", "gate_proj"), seed=6)
+    new = random_adapter(2, 3.0, ("k_proj",), seed=7)
+    for stacks in (fused, loose):
+        stacks.set_lora(0, stacks.pack(old))
+        stacks.reset_lora(0)
+        assert stacks.slot_ranks[0] == 0 and all(int(r[0]) == 0 for r in stacks.group_ranks.values())
+        stacks.set_lora(0, new)  # loose weights: fused stacks pack them first
+    assert {g: int(r[0]) for g, r in fused.group_ranks.items()} == {"qkv": 2, "o": 0, "gate_up": 0, "down": 0}
+    for layer in range(TINY.num_layers):
+        for module in ("q_proj", "k_proj", "v_proj"):
+            torch.testing.assert_close(fused.a[(layer, module)][0], loose.a[(layer, module)][0])
+            torch.testing.assert_close(fused.b[(layer, module)][0], loose.b[(layer, module)][0])
