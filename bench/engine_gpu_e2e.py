@@ -11,6 +11,7 @@ files of the real shapes. Every figure is a ratio measured in this run; the summ
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import sys
@@ -33,7 +34,7 @@ from tests.unit.engine.tiny import write_adapter
 
 ALL7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SUMMARY: list[str] = []
-LOADER = "thread"  # the adapter loader of the engine being measured (sections d and f run once per loader)
+LOADER = "thread"  # the adapter loader (and GIL switch interval) measured: sections d and f run once per pair
 TRACE = False  # --trace: per-step phase timings of the cold-join and Zipf runs (adds a sync per phase)
 Request = tuple[str, list[int], SamplingParams, str | None]
 
@@ -44,8 +45,8 @@ def report(line: str) -> None:
 
 
 def report_loader(line: str) -> None:
-    """`report` for a figure of sections d and f, which run once per adapter loader."""
-    report(f"[{LOADER} loader] {line}")
+    """`report` for a figure of sections d and f, which run once per adapter loader and switch interval."""
+    report(f"[{LOADER}] {line}")
 
 
 def sync() -> None:
@@ -245,21 +246,36 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
     def gaps(arrivals: str, tag: str, first_path: int = 12) -> list[float]:
         last: dict[str, float] = {}
         out: list[float] = []
+        ended_in: list[int] = []  # the loop iteration in which each gap ended (--trace)
+        phases: list[list[float]] = []  # per iteration: register+add, drain, step, sync (--trace)
 
         def sink(rid: str) -> Callable[[RequestOutput], None]:
             def record(o: RequestOutput) -> None:
                 now = time.perf_counter()
                 if o.token_ids and rid in last:
                     out.append(now - last[rid])
+                    ended_in.append(k)
                 last[rid] = now
 
             return record
 
+        gc_pauses: list[float] = []
+        gc_start = [0.0]
+
+        def on_gc(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                gc_start[0] = time.perf_counter()
+            else:
+                gc_pauses.append(time.perf_counter() - gc_start[0])
+
+        if TRACE:
+            gc.callbacks.append(on_gc)
         for i in range(16):
             rid = f"bg{tag}{i}"
             eng.add_request(rid, prompt, SamplingParams(max_tokens=80, ignore_eos=True), None, sink(rid))
         k = 0
         while eng.scheduler.running or eng.scheduler.waiting or k == 0:
+            t0 = time.perf_counter()
             if arrivals != "none" and k % 4 == 2 and k // 4 < 12:
                 j = k // 4
                 name = f"xw{j}" if arrivals == "warm" else f"xc{tag}{j}"
@@ -270,13 +286,29 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
                 eng.add_request(
                     f"xq{tag}{k}", prompt, SamplingParams(max_tokens=4, ignore_eos=True), name, lambda o: None
                 )
+            t1 = time.perf_counter()
             eng._drain_commands()
+            t2 = time.perf_counter()
             eng.step()
+            t3 = time.perf_counter()
             sync()
+            phases.append([t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3])
             k += 1
             if k > 400:
                 break
         eng.run_until_idle()
+        if TRACE:
+            gc.callbacks.remove(on_gc)
+        if TRACE and arrivals == "cold":
+            print(f"  [gaps {tag}] {len(gc_pauses)} GC runs, longest {max(gc_pauses, default=0) * 1e3:.1f} ms")
+            slowest = sorted(range(len(out)), key=lambda i: -out[i])[: max(1, len(out) // 100)]
+            by_iteration = {ended_in[i]: i for i in reversed(slowest)}  # one line per iteration, its longest gap
+            for i in by_iteration.values():  # a gap spans the previous iteration's end and this one's start
+                parts = " ".join(f"{p * 1e3:.1f}" for p in phases[ended_in[i]])
+                print(
+                    f"  [gaps {tag}] {out[i] * 1e3:.1f} ms ending in iteration {ended_in[i]}: "
+                    f"register+add, drain, step, sync ms: {parts}"
+                )
         return out
 
     register_s: list[float] = []
@@ -456,6 +488,7 @@ def main() -> None:
     ap.add_argument("--zipf-rate", type=float, default=150.0)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (no figures)")
     ap.add_argument("--loaders", default="thread,process", help="adapter loaders to compare in sections d and f")
+    ap.add_argument("--switch-intervals", default="5", help="GIL switch intervals (ms) to compare in sections d and f")
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
     args = ap.parse_args()
     global TRACE, LOADER
@@ -473,10 +506,12 @@ def main() -> None:
     del eng
     free_gpu_memory()
     # Cold starts, loads under traffic and hot swap, once per adapter loader, side by side in this run.
-    for loader in args.loaders.split(","):
+    configs = [(loader, float(ms)) for loader in args.loaders.split(",") for ms in args.switch_intervals.split(",")]
+    for loader, switch_ms in configs:
         if not {"d", "f"}.intersection(args.only):
             break
-        LOADER = loader
+        LOADER = f"{loader} loader, GIL switch {switch_ms:g} ms"
+        sys.setswitchinterval(switch_ms / 1e3)
         eng = b.engine(adapter_loader=loader)
         if "d" in args.only:
             section_cold_start(b, eng, prompt)
@@ -486,6 +521,7 @@ def main() -> None:
         eng.stop()
         del eng
         free_gpu_memory()
+    sys.setswitchinterval(0.005)
     if "e" in args.only:
         section_zipf(b, prompt, args.zipf_requests, args.zipf_rate)
     print("\n== summary ==")
