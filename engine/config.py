@@ -28,6 +28,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # share of free GPU memory the KV cache may take
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
+    # CUDA: the process's GIL switch interval while the engine serves (engine/interpreter.py); 0 keeps Python's
+    gil_switch_interval_ms: float = 0.2
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -44,6 +46,8 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.gil_switch_interval_ms < 0:
+            raise ValueError(f"gil_switch_interval_ms must be >= 0, got {self.gil_switch_interval_ms}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be within (0, 1], got {self.gpu_memory_utilization}")
         if self.adapter_loader not in ("thread", "process"):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from engine import interpreter
 from engine.adapter_loader import ProcessLoader, ThreadLoader
 from engine.adapters import AdapterError
 from engine.config import EngineConfig
@@ -117,6 +118,9 @@ class LLMEngine:
         # seconds and (admitted, slot misses); each phase ends with a device sync while it is set.
         self.step_trace: list[tuple[tuple[float, ...], tuple[int, int]]] | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._settled = self.device.type == "cuda"  # only a GPU engine's step loop is Python-bound
+        if self._settled:
+            interpreter.settle_for_serving(config.gil_switch_interval_ms)
 
     def _kv_slots(self) -> int:
         """KV slots: `max_num_seqs`, fewer on a GPU whose free memory cannot hold them."""
@@ -170,6 +174,9 @@ class LLMEngine:
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         self.pool.close()
+        if self._settled:
+            self._settled = False
+            interpreter.restore()
 
     # -- requests (any thread) ---------------------------------------------------------------------
 

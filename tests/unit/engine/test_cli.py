@@ -22,3 +22,10 @@ def test_typed_fields_parse_and_bad_values_are_refused() -> None:
         config_from(parser.parse_args(["--adapter-eviction", "random"])).validate()
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-num-seqs", "many"])
+
+
+def test_gil_switch_interval_flag() -> None:
+    parser = build_parser()
+    assert config_from(parser.parse_args(["--gil-switch-interval-ms", "0.5"])).gil_switch_interval_ms == 0.5
+    with pytest.raises(ValueError, match="gil_switch_interval_ms"):
+        config_from(parser.parse_args(["--gil-switch-interval-ms", "-1"])).validate()

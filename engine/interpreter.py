@@ -1,0 +1,33 @@
+"""Process-wide interpreter settings for a GPU engine, whose step loop is bound by Python, not by the GPU.
+
+Two things stall that loop while adapters load (bench/RESULTS-gpu.md, section d):
+- The GIL. A loader thread that wants the GIL gets it only after the holder's switch interval (5 ms by
+  default), and then keeps it as long: steps wait up to that long. A short interval spreads a load's
+  Python work into short slices. It only matters while threads contend, so an idle loader costs nothing.
+- Full garbage collections, which walk every tracked object: the start-up ones (model, captured graphs,
+  tokenizer) are most of them and live as long as the engine. Freezing them keeps full collections short.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+_DEFAULT_SWITCH_INTERVAL_S = sys.getswitchinterval()
+
+
+def settle_for_serving(switch_interval_ms: float) -> None:
+    """Set the GIL switch interval (0 keeps the current one) and freeze the objects alive now.
+
+    Call once start-up is done. Garbage is collected first, so only live objects are frozen.
+    """
+    if switch_interval_ms > 0:
+        sys.setswitchinterval(switch_interval_ms / 1e3)
+    gc.collect()
+    gc.freeze()
+
+
+def restore() -> None:
+    """Undo `settle_for_serving` (an engine stopped inside a longer-lived process: tests, benchmarks)."""
+    sys.setswitchinterval(_DEFAULT_SWITCH_INTERVAL_S)
+    gc.unfreeze()
