@@ -29,6 +29,7 @@ from engine.adapters import AdapterError, AdapterSpec, read_spec
 from engine.config import ModelArch
 from engine.eviction import DecayedFrequencyPolicy, EvictionPolicy
 from engine.lora import AdapterWeights, LoRAStacks
+from engine.pinned_arena import PinnedArena
 
 
 class AdapterState(enum.Enum):
@@ -89,8 +90,11 @@ class AdapterPool:
         host_capacity: int,
         eviction: EvictionPolicy | None = None,
         loader: AdapterLoader | None = None,
+        arena: PinnedArena | None = None,
     ) -> None:
-        self._arch, self._stacks = arch, stacks
+        """`arena`: where the loader puts host images (if anywhere); the pool gives them back when it drops
+        an adapter from host memory."""
+        self._arch, self._stacks, self._arena = arch, stacks, arena
         # Every slot holds up to max_rank whatever the adapter's rank, so slots are sized 1 for the policy.
         self._eviction: EvictionPolicy = eviction if eviction is not None else DecayedFrequencyPolicy()
         self._host_capacity = host_capacity
@@ -248,8 +252,10 @@ class AdapterPool:
                     self._by_name[version.name] = version
                     if old is not None:
                         self._retire(old)
-                if not version.retired:
-                    self._trim_host()
+                if version.retired and version.active == 0:
+                    self._drop(version)  # replaced or unloaded while loading, and nobody waits for it
+                else:
+                    self._trim_host(keep=version)
         finally:
             version.settled.set()
         for callback in self.on_loaded:
@@ -273,14 +279,15 @@ class AdapterPool:
         self.evictions += 1
         return slot
 
-    def _trim_host(self) -> None:
+    def _trim_host(self, keep: AdapterVersion) -> None:
+        # `keep` was just loaded for requests that wait for it: dropping it would only start its load again.
         in_host = [v for v in self._by_name.values() if v.weights is not None]
         excess = len(in_host) - self._host_capacity
         for v in sorted(in_host, key=lambda v: v.last_used):
             if excess <= 0:
                 break
-            if v.slot is None and not v.pinned and v.active == 0:
-                v.weights = None
+            if v is not keep and v.slot is None and not v.pinned and v.active == 0:
+                self._discard_weights(v)
                 excess -= 1
 
     def _retire(self, version: AdapterVersion) -> None:
@@ -296,4 +303,10 @@ class AdapterPool:
             self._slots[version.slot] = None
             self._stacks.reset_lora(version.slot)
             version.slot = None
-        version.weights = None
+        self._discard_weights(version)
+
+    def _discard_weights(self, version: AdapterVersion) -> None:
+        weights, version.weights = version.weights, None
+        if weights is not None and weights.packed is not None and self._arena is not None:
+            # Copies into a slot may still read the image: the arena reuses it once they have run.
+            self._arena.give_back(weights.packed, self._stacks.copy_stream)

@@ -162,3 +162,19 @@ def test_a_replacement_that_fails_to_load_leaves_the_working_version(pool: Adapt
     with pytest.raises(AdapterError, match="NaN"):
         pool.wait_loaded(new, timeout=10)
     assert pool.lookup("x") is old and not old.retired and old.weights is not None
+
+
+def test_a_new_load_is_not_dropped_to_make_room_when_the_rest_sit_in_slots(tmp_path: Path) -> None:
+    """Host capacity 1 with the one other adapter in a slot: the just-loaded adapter (never used yet, so
+    the least recent) used to be dropped at once, and its requests would reload it forever."""
+    stacks = LoRAStacks(TINY, slots=1, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    pool = AdapterPool(TINY, stacks, torch.float32, host_capacity=1)
+    try:
+        a = _loaded(pool, "a", write_adapter(tmp_path / "a", seed=1))
+        pool.acquire(a)
+        pool.release(a, tokens=1)  # a stays in its slot, idle
+        b = _loaded(pool, "b", write_adapter(tmp_path / "b", seed=2))
+        assert b.weights is not None and pool.ready(b)
+        assert pool.acquire(b) is not None  # evicts a from the slot
+    finally:
+        pool.close()
