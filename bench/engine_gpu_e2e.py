@@ -490,9 +490,10 @@ def main() -> None:
     ap.add_argument("--loaders", default="thread", help="adapter loaders to compare in sections d and f")
     ap.add_argument(
         "--switch-intervals",
-        default="0.2,5",
-        help="GIL switch intervals (ms; engine default 0.2, Python's 5) for d and f",
+        default="0,0.2",
+        help="GIL switch intervals (ms; 0 = Python's 5 ms, the engine default) for d and f",
     )
+    ap.add_argument("--pinned-mb", default="1024", help="pinned adapter arenas (MiB; 0 = none) for d and f")
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
     args = ap.parse_args()
     global TRACE, LOADER
@@ -510,12 +511,17 @@ def main() -> None:
     del eng
     free_gpu_memory()
     # Cold starts, loads under traffic and hot swap, once per adapter loader, side by side in this run.
-    configs = [(loader, float(ms)) for loader in args.loaders.split(",") for ms in args.switch_intervals.split(",")]
-    for loader, switch_ms in configs:
+    configs = [
+        (loader, float(ms), int(mb))
+        for loader in args.loaders.split(",")
+        for ms in args.switch_intervals.split(",")
+        for mb in args.pinned_mb.split(",")
+    ]
+    for loader, switch_ms, pinned_mb in configs:
         if not {"d", "f"}.intersection(args.only):
             break
-        LOADER = f"{loader} loader, GIL switch {switch_ms:g} ms"
-        eng = b.engine(adapter_loader=loader, gil_switch_interval_ms=switch_ms)
+        LOADER = f"{loader} loader, GIL switch {switch_ms or 5:g} ms, pinned arena {pinned_mb} MiB"
+        eng = b.engine(adapter_loader=loader, gil_switch_interval_ms=switch_ms, pinned_adapter_memory_mb=pinned_mb)
         if "d" in args.only:
             section_cold_start(b, eng, prompt)
             section_others_during_loads(b, eng, prompt)

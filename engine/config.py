@@ -31,7 +31,8 @@ class EngineConfig:
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
     # CUDA: the process's GIL switch interval while the engine serves (engine/interpreter.py); 0 keeps Python's
-    gil_switch_interval_ms: float = 0.2
+    # (5 ms). Shorter intervals were measured in bench/RESULTS-gpu.md and did not help reliably.
+    gil_switch_interval_ms: float = 0.0
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""

@@ -3,7 +3,9 @@
 Two things stall that loop while adapters load (bench/RESULTS-gpu.md, section d):
 - The GIL. A loader thread that wants the GIL gets it only after the holder's switch interval (5 ms by
   default), and then keeps it as long: steps wait up to that long. A short interval spreads a load's
-  Python work into short slices. It only matters while threads contend, so an idle loader costs nothing.
+  Python work into short slices; it only matters while threads contend. Measured on an H200 it did not
+  help reliably (parts of a load hold the GIL in C for their whole length), so the engine keeps Python's
+  unless configured.
 - Full garbage collections, which walk every tracked object: the start-up ones (model, captured graphs,
   tokenizer) are most of them and live as long as the engine. Freezing them keeps full collections short.
 """
