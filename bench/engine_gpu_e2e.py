@@ -493,7 +493,6 @@ def main() -> None:
         default="0,0.2",
         help="GIL switch intervals (ms; 0 = Python's 5 ms, the engine default) for d and f",
     )
-    ap.add_argument("--pinned-mb", default="1024", help="pinned adapter arenas (MiB; 0 = none) for d and f")
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
     args = ap.parse_args()
     global TRACE, LOADER
@@ -511,17 +510,12 @@ def main() -> None:
     del eng
     free_gpu_memory()
     # Cold starts, loads under traffic and hot swap, once per adapter loader, side by side in this run.
-    configs = [
-        (loader, float(ms), int(mb))
-        for loader in args.loaders.split(",")
-        for ms in args.switch_intervals.split(",")
-        for mb in args.pinned_mb.split(",")
-    ]
-    for loader, switch_ms, pinned_mb in configs:
+    configs = [(loader, float(ms)) for loader in args.loaders.split(",") for ms in args.switch_intervals.split(",")]
+    for loader, switch_ms in configs:
         if not {"d", "f"}.intersection(args.only):
             break
-        LOADER = f"{loader} loader, GIL switch {switch_ms or 5:g} ms, pinned arena {pinned_mb} MiB"
-        eng = b.engine(adapter_loader=loader, gil_switch_interval_ms=switch_ms, pinned_adapter_memory_mb=pinned_mb)
+        LOADER = f"{loader} loader, GIL switch {switch_ms or 5:g} ms"
+        eng = b.engine(adapter_loader=loader, gil_switch_interval_ms=switch_ms)
         if "d" in args.only:
             section_cold_start(b, eng, prompt)
             section_others_during_loads(b, eng, prompt)

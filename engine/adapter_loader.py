@@ -18,7 +18,6 @@ import torch
 
 from engine.adapters import AdapterSpec, host_copy, load_adapter
 from engine.lora import AdapterWeights, SlotLayout
-from engine.pinned_arena import PinnedArena
 
 
 class AdapterLoader(Protocol):
@@ -29,25 +28,21 @@ class AdapterLoader(Protocol):
     def close(self) -> None: ...
 
 
-def read_adapter(
-    spec: AdapterSpec, dtype: torch.dtype, layout: SlotLayout | None, pin: bool, arena: PinnedArena | None = None
-) -> AdapterWeights:
-    """Disk -> host memory; for fused stacks (`layout`) straight into the slot layout (in `arena` if given)."""
-    return load_adapter(spec, dtype, pin=pin, layout=layout, arena=arena)
+def read_adapter(spec: AdapterSpec, dtype: torch.dtype, layout: SlotLayout | None, pin: bool) -> AdapterWeights:
+    """Disk -> host memory; for fused stacks (`layout`) straight into the slot layout."""
+    return load_adapter(spec, dtype, pin=pin, layout=layout)
 
 
 class ThreadLoader:
     """Loads on threads of the engine process."""
 
-    def __init__(
-        self, dtype: torch.dtype, layout: SlotLayout | None, workers: int = 2, arena: PinnedArena | None = None
-    ) -> None:
-        self._dtype, self._layout, self._arena = dtype, layout, arena
+    def __init__(self, dtype: torch.dtype, layout: SlotLayout | None, workers: int = 2) -> None:
+        self._dtype, self._layout = dtype, layout
         self._pin = torch.cuda.is_available()
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-load")
 
     def submit(self, spec: AdapterSpec) -> Future[AdapterWeights]:
-        return self._executor.submit(read_adapter, spec, self._dtype, self._layout, self._pin, self._arena)
+        return self._executor.submit(read_adapter, spec, self._dtype, self._layout, self._pin)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -60,10 +55,8 @@ def _worker_init() -> None:
 class ProcessLoader:
     """Loads in spawned worker processes (started on first use; each imports torch once)."""
 
-    def __init__(
-        self, dtype: torch.dtype, layout: SlotLayout | None, workers: int = 2, arena: PinnedArena | None = None
-    ) -> None:
-        self._dtype, self._layout, self._arena = dtype, layout, arena
+    def __init__(self, dtype: torch.dtype, layout: SlotLayout | None, workers: int = 2) -> None:
+        self._dtype, self._layout = dtype, layout
         self._pin = torch.cuda.is_available()
         # spawn, not fork: the engine process may hold CUDA state and threads a forked child cannot use.
         context = multiprocessing.get_context("spawn")
@@ -73,16 +66,14 @@ class ProcessLoader:
         inner = self._executor.submit(read_adapter, spec, self._dtype, self._layout, False)
         outer: Future[AdapterWeights] = Future()
         outer.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
-        inner.add_done_callback(_settle(outer, self._pin, self._arena))
+        inner.add_done_callback(_settle(outer, self._pin))
         return outer
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _settle(
-    outer: Future[AdapterWeights], pin: bool, arena: PinnedArena | None
-) -> Callable[[Future[AdapterWeights]], None]:
+def _settle(outer: Future[AdapterWeights], pin: bool) -> Callable[[Future[AdapterWeights]], None]:
     def done(inner: Future[AdapterWeights]) -> None:
         if outer.cancelled():
             return
@@ -94,19 +85,17 @@ def _settle(
             outer.set_exception(exc)
             return
         try:
-            outer.set_result(_own(inner.result(), pin, arena))
+            outer.set_result(_own(inner.result(), pin))
         except Exception as copy_error:  # e.g. out of pinned memory: report it as the load's failure
             outer.set_exception(copy_error)
 
     return done
 
 
-def _own(weights: AdapterWeights, pin: bool, arena: PinnedArena | None) -> AdapterWeights:
+def _own(weights: AdapterWeights, pin: bool) -> AdapterWeights:
     """The weights copied out of the worker's shared memory (freed once the shared tensors die)."""
     if weights.packed is not None:
-        packed = arena.take(weights.packed.numel(), weights.packed.dtype) if arena is not None else None
-        if packed is None:
-            packed = torch.empty_like(weights.packed, pin_memory=pin)
+        packed = torch.empty_like(weights.packed, pin_memory=pin)
         packed.copy_(weights.packed)
         return AdapterWeights(weights.rank, weights.scaling, weights.modules, {}, packed, weights.packed_groups)
     dtype = next(iter(weights.tensors.values()))[0].dtype

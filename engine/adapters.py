@@ -16,7 +16,6 @@ import torch
 
 from engine.config import LORA_MODULES, ModelArch
 from engine.lora import AdapterWeights, SlotLayout, pack_adapter
-from engine.pinned_arena import PinnedArena
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -120,15 +119,10 @@ def _check_weights_header(folder: Path, arch: ModelArch, rank: int) -> frozenset
 
 
 def load_adapter(
-    spec: AdapterSpec,
-    dtype: torch.dtype,
-    pin: bool | None = None,
-    layout: SlotLayout | None = None,
-    arena: PinnedArena | None = None,
+    spec: AdapterSpec, dtype: torch.dtype, pin: bool | None = None, layout: SlotLayout | None = None
 ) -> AdapterWeights:
     """Read the adapter's tensors into one `dtype` host buffer, pinned (by default when CUDA is available)
-    for asynchronous copies to a GPU; for fused stacks (`layout`) straight into their slot layout, in
-    `arena` when it has room."""
+    for asynchronous copies to a GPU; for fused stacks (`layout`) straight into their slot layout."""
     from safetensors import SafetensorError
     from safetensors.torch import load
 
@@ -154,15 +148,13 @@ def load_adapter(
     # (values finite in the file can overflow in a narrower dtype); the culprit is looked for only on failure.
     weights = AdapterWeights(rank=spec.rank, scaling=spec.scaling, modules=spec.modules, tensors=tensors)
     if layout is not None:
-        weights = pack_adapter(layout, weights, dtype, pin, arena)
+        weights = pack_adapter(layout, weights, dtype, pin)
         flat = weights.packed
     else:
         host, flat = host_copy(tensors, dtype, pin)
         weights = AdapterWeights(rank=spec.rank, scaling=spec.scaling, modules=spec.modules, tensors=host)
     assert flat is not None
     if not _all_finite(flat):
-        if arena is not None:
-            arena.give_back(flat)
         name = next(
             f"{key[1]} of layer {key[0]}"
             for key, pair in tensors.items()

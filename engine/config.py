@@ -23,8 +23,6 @@ class EngineConfig:
     max_lora_rank: int = 32
     host_adapter_cache: int = 64  # adapters kept loaded in host memory
     adapter_eviction: str = "frequency"  # LoRA slots: frequency (decayed frequency, recency, pinning) | lru
-    # CUDA: page-locked host memory taken at start-up for adapters in host RAM (beyond it, each is pinned alone)
-    pinned_adapter_memory_mb: int = 1024
     adapter_loader: str = "thread"  # where adapter files are read: thread | process (keeps the GIL free)
     default_max_tokens: int = 256
     gpu_memory_utilization: float = 0.9  # share of free GPU memory the KV cache may take
@@ -49,8 +47,6 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.pinned_adapter_memory_mb < 0:
-            raise ValueError(f"pinned_adapter_memory_mb must be >= 0, got {self.pinned_adapter_memory_mb}")
         if self.gil_switch_interval_ms < 0:
             raise ValueError(f"gil_switch_interval_ms must be >= 0, got {self.gil_switch_interval_ms}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -27,7 +27,6 @@ from engine.kv_cache import KVCache
 from engine.loader import load_weights, resolve_model
 from engine.lora import LoRABatch, LoRAStacks
 from engine.model import DecoderModel, SeqSlice
-from engine.pinned_arena import PinnedArena
 from engine.pool import AdapterPool, AdapterVersion
 from engine.sampling import SamplingParams, make_generator, sample
 from engine.scheduler import Scheduler
@@ -92,12 +91,9 @@ class LLMEngine:
         self.stacks = LoRAStacks(arch, config.lora_slots, config.max_lora_rank, self.dtype, self.device)
         self.kv = KVCache(arch, self._kv_slots(), self.max_model_len, self.dtype, self.device)
         eviction = LRUPolicy() if config.adapter_eviction == "lru" else DecayedFrequencyPolicy()
-        arena = None
-        if self.device.type == "cuda" and config.pinned_adapter_memory_mb > 0:
-            arena = PinnedArena(config.pinned_adapter_memory_mb << 20)
         loader_type = ProcessLoader if config.adapter_loader == "process" else ThreadLoader
-        loader = loader_type(self.dtype, self.stacks.layout, arena=arena)
-        self.pool = AdapterPool(arch, self.stacks, self.dtype, config.host_adapter_cache, eviction, loader, arena)
+        loader = loader_type(self.dtype, self.stacks.layout)
+        self.pool = AdapterPool(arch, self.stacks, self.dtype, config.host_adapter_cache, eviction, loader)
         self.pool.on_loaded.append(self._wake)
         self.scheduler = Scheduler(self.kv, self.pool, config.max_num_batched_tokens)
         self.graphs: DecodeGraphs | None = None

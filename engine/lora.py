@@ -17,7 +17,6 @@ import torch
 from engine import kernels
 from engine.config import ModelArch
 from engine.lora_plan import SegmentPlan, plan_segments
-from engine.pinned_arena import PinnedArena
 
 # Projections that share an input, applied together: (group -> members, in fused output column order).
 PROJECTION_GROUPS: dict[str, tuple[str, ...]] = {
@@ -82,21 +81,15 @@ class SlotLayout:
         return out
 
 
-def pack_adapter(
-    layout: SlotLayout, adapter: AdapterWeights, dtype: torch.dtype, pin: bool, arena: PinnedArena | None = None
-) -> AdapterWeights:
-    """The adapter (any float dtype) as one `dtype` host buffer in slot layout at its own rank, in `arena`
-    when it has room (else a new buffer, pinned if `pin`).
+def pack_adapter(layout: SlotLayout, adapter: AdapterWeights, dtype: torch.dtype, pin: bool) -> AdapterWeights:
+    """The adapter (any float dtype) as one `dtype` host buffer in slot layout at its own rank.
 
     `LoRAStacks.set_lora` then moves it with one host->device copy and a few strided device copies,
     whatever the number of layers; the host tiers hold rank, not max-rank, bytes. Groups the adapter
     leaves alone are not stored (their group rank of 0 makes the kernels skip them)."""
     groups = tuple(g for g, members in PROJECTION_GROUPS.items() if adapter.modules.intersection(members))
     r = adapter.rank
-    size = layout.image_size(groups, r)
-    buffer = arena.take(size, dtype) if arena is not None else None
-    if buffer is None:
-        buffer = torch.empty(size, dtype=dtype, pin_memory=pin)
+    buffer = torch.empty(layout.image_size(groups, r), dtype=dtype, pin_memory=pin)
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
     absent: list[torch.Tensor] = []
@@ -191,11 +184,6 @@ class LoRAStacks:
         self.slot_modules: list[frozenset[str]] = [frozenset()] * slots
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ready: list[torch.cuda.Event | None] = [None] * slots
-
-    @property
-    def copy_stream(self) -> torch.cuda.Stream | None:
-        """The side stream that copies adapters into slots (CUDA), reading their host images."""
-        return self._copy_stream
 
     def pack(self, adapter: AdapterWeights) -> AdapterWeights:
         """`pack_adapter` for this engine's stacks (pinned when CUDA is present); loose stacks keep it as is."""

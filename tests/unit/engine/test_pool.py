@@ -178,3 +178,28 @@ def test_a_new_load_is_not_dropped_to_make_room_when_the_rest_sit_in_slots(tmp_p
         assert pool.acquire(b) is not None  # evicts a from the slot
     finally:
         pool.close()
+
+
+def test_a_version_unloaded_while_it_loads_is_dropped_when_the_load_ends(
+    pool: AdapterPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its weights used to stay in host memory for good: nobody could use or free them."""
+    import threading
+
+    from engine import adapter_loader as loader_module
+
+    gate, started = threading.Event(), threading.Event()
+    real_load = loader_module.load_adapter
+
+    def held_load(*args, **kwargs):  # type: ignore[no-untyped-def]
+        started.set()
+        gate.wait(10)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(loader_module, "load_adapter", held_load)
+    version = pool.register("a", write_adapter(tmp_path / "a", seed=1))
+    assert started.wait(10)  # the load is running: it cannot be cancelled
+    assert pool.unregister("a")
+    gate.set()
+    assert version.settled.wait(10)
+    assert version.retired and version.weights is None
