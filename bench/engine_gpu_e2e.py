@@ -511,9 +511,7 @@ def main() -> None:
     free_gpu_memory()
     # Cold starts, loads under traffic and hot swap, once per adapter loader, side by side in this run.
     configs = [(loader, float(ms)) for loader in args.loaders.split(",") for ms in args.switch_intervals.split(",")]
-    for loader, switch_ms in configs:
-        if not {"d", "f"}.intersection(args.only):
-            break
+    for loader, switch_ms in configs if {"d", "f"}.intersection(args.only) else []:
         LOADER = f"{loader} loader, GIL switch {switch_ms or 5:g} ms"
         eng = b.engine(adapter_loader=loader, gil_switch_interval_ms=switch_ms)
         if "d" in args.only:

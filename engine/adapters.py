@@ -146,14 +146,13 @@ def load_adapter(
     pin = torch.cuda.is_available() if pin is None else pin
     # The conversion to `dtype` happens in the one copy into the final buffer, which is checked as a whole
     # (values finite in the file can overflow in a narrower dtype); the culprit is looked for only on failure.
-    weights = AdapterWeights(rank=spec.rank, scaling=spec.scaling, modules=spec.modules, tensors=tensors)
     if layout is not None:
-        weights = pack_adapter(layout, weights, dtype, pin)
+        weights = pack_adapter(layout, AdapterWeights(spec.rank, spec.scaling, spec.modules, tensors), dtype, pin)
+        assert weights.packed is not None
         flat = weights.packed
     else:
         host, flat = host_copy(tensors, dtype, pin)
-        weights = AdapterWeights(rank=spec.rank, scaling=spec.scaling, modules=spec.modules, tensors=host)
-    assert flat is not None
+        weights = AdapterWeights(spec.rank, spec.scaling, spec.modules, host)
     if not _all_finite(flat):
         name = next(
             f"{key[1]} of layer {key[0]}"

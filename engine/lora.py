@@ -9,6 +9,7 @@ forward pass serves base rows and any mix of adapters and ranks.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -59,12 +60,12 @@ class SlotLayout:
 
     def image_size(self, groups: Iterable[str], rank: int) -> int:
         """Elements of an adapter image of `rank` covering `groups`."""
-        return sum(sum(self._sizes(group, rank)) for group in groups)
+        return sum(math.prod(a) + math.prod(b) for a, b in (self._shapes(group, rank) for group in groups))
 
-    def _sizes(self, group: str, rank: int) -> tuple[int, int]:
+    def _shapes(self, group: str, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A [layers, members, rank, in] and B [layers, out, rank] of `group` in an image of `rank`."""
         slices = self.group_slices[group]
-        per_layer = len(slices) * rank * self.group_fan_in[group], sum(slices) * rank
-        return per_layer[0] * self.num_layers, per_layer[1] * self.num_layers
+        return (self.num_layers, len(slices), rank, self.group_fan_in[group]), (self.num_layers, sum(slices), rank)
 
     def images(
         self, buffer: torch.Tensor, groups: tuple[str, ...], rank: int
@@ -72,11 +73,10 @@ class SlotLayout:
         """Views of `buffer` as each group's A [layers, members, rank, in] and B [layers, out, rank]."""
         out, offset = [], 0
         for group in groups:
-            a_size, b_size = self._sizes(group, rank)
-            members, out_width = len(self.group_slices[group]), sum(self.group_slices[group])
-            a_img = buffer[offset : offset + a_size].view(self.num_layers, members, rank, self.group_fan_in[group])
-            b_img = buffer[offset + a_size : offset + a_size + b_size].view(self.num_layers, out_width, rank)
-            out.append((a_img, b_img))
+            a_shape, b_shape = self._shapes(group, rank)
+            a_size, b_size = math.prod(a_shape), math.prod(b_shape)
+            a_img = buffer[offset : offset + a_size].view(a_shape)
+            out.append((a_img, buffer[offset + a_size : offset + a_size + b_size].view(b_shape)))
             offset += a_size + b_size
         return out
 
@@ -196,8 +196,9 @@ class LoRAStacks:
 
         On CUDA the copies run on a side stream, ordered after the work already queued (which may still
         read the slot's previous adapter); the next step that uses the slot waits for them (`wait_ready`).
-        A packed adapter (`pack`) is one host->device copy and one multi-tensor device copy; a loose one
-        is one multi-tensor zeroing and one multi-tensor copy.
+        Fused stacks take packed adapters (`pack`; loose ones are packed first): one host->device copy,
+        then one strided copy and one zeroing per projection group. Loose stacks take one multi-tensor
+        zeroing and one multi-tensor copy.
         """
         if adapter.rank > self.max_rank:
             raise ValueError(f"rank {adapter.rank} exceeds the engine's max_lora_rank {self.max_rank}")
