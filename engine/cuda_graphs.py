@@ -73,17 +73,23 @@ def bucket_for(buckets: list[int], need: int) -> int | None:
 
 
 def capture(
-    forward: Callable[[], torch.Tensor], device: torch.device, pool: GraphPool
+    forward: Callable[[], torch.Tensor], pool: GraphPool, stream: torch.cuda.Stream
 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """A graph of `forward` and its output tensor (rewritten by every replay)."""
-    # Warm up on a side stream first (triton compiles, cuBLAS picks kernels), as capture requires.
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
+    """A graph of `forward`, captured on `stream`, and its output tensor (rewritten by every replay).
+
+    Graphs that may replay at the same time (decode and prefill) must be captured on different streams:
+    cuBLAS keeps one workspace per stream, and a graph bakes in the workspace address of the stream it was
+    captured on. Two graphs from one capture stream, replayed concurrently on two streams, share that
+    workspace and corrupt each other's GEMMs (seen as wrong tokens in rows that decode while prompts join).
+    """
+    # Warm up first (triton compiles, cuBLAS picks kernels and takes the stream's workspace), as capture
+    # requires.
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
         forward()
-    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.current_stream(stream.device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
         out = forward()
     return graph, out
 
@@ -104,6 +110,7 @@ class DecodeGraphs:
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._logits: dict[GraphKey, torch.Tensor] = {}
         self._pool = pool
+        self.capture_stream = torch.cuda.Stream(self.device)  # this family's own: see `capture`
         self.replays = 0
 
     @property
@@ -130,7 +137,7 @@ class DecodeGraphs:
         return self.model.decode(self._inputs[0, :b], view, self.kv, lora)
 
     def _capture(self, key: GraphKey) -> None:
-        self._graphs[key], self._logits[key] = capture(lambda: self._forward(key), self.device, self._pool)
+        self._graphs[key], self._logits[key] = capture(lambda: self._forward(key), self._pool, self.capture_stream)
 
     def run(
         self, input_ids: list[int], positions: list[int], kv_slots: list[int], token_slots: list[int]
@@ -177,6 +184,7 @@ class PrefillGraphs:
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._logits: dict[tuple[int, bool], torch.Tensor] = {}
         self._pool = pool
+        self.capture_stream = torch.cuda.Stream(self.device)  # this family's own: see `capture`
         self.replays = 0
 
     def _plan(self, token_slots: list[int]) -> SegmentPlan:
@@ -190,7 +198,7 @@ class PrefillGraphs:
             for lora in (True, False):
                 key = (n, lora)
                 forward = functools.partial(self._forward, (n, lora))
-                self._graphs[key], self._logits[key] = capture(forward, self.device, self._pool)
+                self._graphs[key], self._logits[key] = capture(forward, self._pool, self.capture_stream)
         log.info("captured %d prefill graphs in %.1f s", len(self._graphs), time.perf_counter() - start)
 
     def _forward(self, key: tuple[int, bool]) -> torch.Tensor:

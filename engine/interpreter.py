@@ -16,13 +16,17 @@ import gc
 import sys
 
 _DEFAULT_SWITCH_INTERVAL_S = sys.getswitchinterval()
+_serving = 0  # engines settled and not yet restored: the settings are process-wide
 
 
 def settle_for_serving(switch_interval_ms: float) -> None:
     """Set the GIL switch interval (0 keeps the current one) and freeze the objects alive now.
 
-    Call once start-up is done. Garbage is collected first, so only live objects are frozen.
+    Call once start-up is done. Garbage is collected first, so only live objects are frozen. Every call
+    is paired with one `restore`; the settings stay until the last engine restores them.
     """
+    global _serving
+    _serving += 1
     if switch_interval_ms > 0:
         sys.setswitchinterval(switch_interval_ms / 1e3)
     gc.collect()
@@ -30,6 +34,11 @@ def settle_for_serving(switch_interval_ms: float) -> None:
 
 
 def restore() -> None:
-    """Undo `settle_for_serving` (an engine stopped inside a longer-lived process: tests, benchmarks)."""
+    """Undo `settle_for_serving` (an engine stopped inside a longer-lived process: tests, benchmarks) once
+    no other engine of the process still serves."""
+    global _serving
+    _serving = max(0, _serving - 1)
+    if _serving:
+        return
     sys.setswitchinterval(_DEFAULT_SWITCH_INTERVAL_S)
     gc.unfreeze()

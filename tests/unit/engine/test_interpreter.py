@@ -30,3 +30,17 @@ def test_zero_keeps_the_switch_interval() -> None:
         assert sys.getswitchinterval() == before
     finally:
         interpreter.restore()
+
+
+def test_settings_stay_until_the_last_serving_engine_restores_them() -> None:
+    before = sys.getswitchinterval()
+    try:
+        interpreter.settle_for_serving(0.2)  # a first engine
+        interpreter.settle_for_serving(0.2)  # a second one, in the same process
+        interpreter.restore()  # the second stops: the first still serves
+        assert sys.getswitchinterval() == pytest.approx(0.0002)
+        assert gc.get_freeze_count() > 0
+    finally:
+        interpreter.restore()
+    assert sys.getswitchinterval() == before
+    assert gc.get_freeze_count() == 0
