@@ -6,8 +6,10 @@ of a whole decode layer. Run on a CUDA machine: `PYTHONPATH=. python3 bench/engi
 (a) LoRA time per layer (shrink + expand of q, k, v, o, gate, up, down; q/k/v and gate/up fused), decode
     batch 64, rank 16: 64 distinct adapters, 1 adapter, 8 adapters x 8 tokens, and gather + bmm.
 (c) mixed ranks {8, 16, 32, 64} in one rank-64 stack against uniform rank 16, at equal adapter bytes, with the
-    kernels' default latency options, next to the ratios measured before the kernels followed true ranks.
-    `--only c` runs just (c) (`--quick`: 2 layers, shorter timing).
+    kernels' default latency options, next to the ratios measured before B was stored rank-major; the mix is
+    also run with out-major B side by side. `--only c` runs just (c) (`--quick`: 2 layers, shorter timing).
+Every stack stores B as the engine does, rank-major (`[S, R, N]`, passed to the kernels as the transposed
+`[S, N, R]` view), but for (c)'s out-major comparison.
 (b) one decoder layer's decode step (KV length 512, SDPA, CUDA graph; eager separately): no LoRA,
     1 adapter, 64 distinct adapters, next to the bandwidth bound base_bytes / (base_bytes + adapter_bytes);
     with the current kernels and with the best latency variant of (l).
@@ -84,15 +86,18 @@ class LayerLoRA:
         return self.cpu[key]
 
 
-def make_lora(slot_ranks: Sequence[int], max_rank: int) -> LayerLoRA:
+def make_lora(slot_ranks: Sequence[int], max_rank: int, rank_major: bool = True) -> LayerLoRA:
+    """Random stacks, zero past each rank; B `[S, N, R]` is a view of a rank-major `[S, R, N]` store (the
+    engine's layout), or a contiguous out-major one."""
     ranks = torch.tensor(slot_ranks, dtype=torch.int32, device=DEV)
     keep = torch.arange(max_rank, device=DEV)[None, :] < ranks[:, None]  # [S, R]: zero past each rank
     lora = LayerLoRA({}, {}, ranks, torch.rand(len(slot_ranks), device=DEV) + 0.5)
     for p in PROJS:
         a = torch.randn(len(slot_ranks), len(p.slices), max_rank, p.k, device=DEV) / p.k**0.5
         lora.a[p.name] = (a * keep[:, None, :, None]).to(DTYPE).flatten(1, 2).contiguous()
-        b = torch.randn(len(slot_ranks), sum(p.slices), max_rank, device=DEV) / max_rank**0.5
-        lora.b[p.name] = (b * keep[:, None, :]).to(DTYPE).contiguous()
+        b = torch.randn(len(slot_ranks), max_rank, sum(p.slices), device=DEV) / max_rank**0.5
+        store = (b * keep[:, :, None]).to(DTYPE)
+        lora.b[p.name] = store.contiguous().transpose(1, 2) if rank_major else store.transpose(1, 2).contiguous()
         lora.xs[p.name] = torch.randn(BATCH, p.k, device=DEV).to(DTYPE)
         lora.ys[p.name] = torch.randn(BATCH, sum(p.slices), device=DEV).to(DTYPE)
     # One workspace for the layer's h, zeroed by one memset per layer (an engine can zero once per step).
@@ -321,8 +326,10 @@ def scenario_slots() -> dict[str, list[int]]:
 class LayerStack:
     """`layers` independent layers' adapters, replayed as one graph so that L2 holds none of them."""
 
-    def __init__(self, slot_ranks: Sequence[int], max_rank: int, layers: int, block_m: int = 16):
-        self.loras = [make_lora(slot_ranks, max_rank) for _ in range(layers)]
+    def __init__(
+        self, slot_ranks: Sequence[int], max_rank: int, layers: int, block_m: int = 16, rank_major: bool = True
+    ):
+        self.loras = [make_lora(slot_ranks, max_rank, rank_major) for _ in range(layers)]
         self.capacity = lora_plan.chunk_capacity(BATCH, len(slot_ranks), block_m)
         self.block_m = block_m
         self.plan = lora_plan.plan_segments(list(range(BATCH)), DEV, block_m=block_m, num_chunks=self.capacity)
@@ -481,44 +488,49 @@ def sweep(stack: LayerStack, scen: dict[str, list[int]], quick: bool) -> Configs
     return Configs(best_s[1], best_e[1])
 
 
-# (c) before the kernels followed each chunk's true rank (bench/RESULTS-gpu.md, latency options off), as ratios
-# to uniform 16 in a rank-16 stack: chunks of 1, chunks of 16.
+# (c) before B was stored rank-major (bench/RESULTS-gpu.md, session 2026-12-02 (second), default latency
+# options), as ratios to uniform 16 in a rank-16 stack: chunks of 1, chunks of 16.
 OLD_MIXED = {
-    "uniform 16 (stack R=64)": (2.62, 2.37),
-    "mixed 8/16/32/64 (R=64)": (2.62, 2.39),
-    "all 64 (4x the bytes)": (3.04, 2.65),
+    "uniform 16 (stack R=64)": (1.40, 1.23),
+    "mixed 8/16/32/64 (R=64)": (1.48, 1.39),
 }
+# Out-major B ran per-token expand at 512 columns (its swept shape; at 1024 its tile body took 168 registers).
+OUT_MAJOR_EXPAND = {1: kt.ExpandConfig(block_n=512, programs_per_sm=4)}
 
 
 def section_mixed(args: argparse.Namespace, configs: dict[int, Configs], bw: float) -> None:
     """(c) with the kernels' default latency options; shrink and expand also timed apart for the two stacks
-    the goal compares (mixed <= 1.05x uniform 16 at equal bytes)."""
+    the goal compares (mixed <= 1.05x uniform 16 at equal bytes) and for the mix with out-major B."""
     print("\n(c) mixed ranks, 64 distinct adapters, equal adapter bytes (ratios to uniform 16 in a rank-16 stack)")
     gen = torch.Generator().manual_seed(1)
     mixed = [8] * 40 + [16] * 12 + [32] * 8 + [64] * 4  # sum of ranks 1024 = 64 x 16
     mixed = [mixed[i] for i in torch.randperm(SLOTS, generator=gen).tolist()]
     layers = 2 if args.quick else 4
     slots = torch.randperm(SLOTS, generator=gen).tolist()
-    base, goal = "uniform 16 (stack R=16)", "mixed 8/16/32/64 (R=64)"
-    variants = {
-        base: ([RANK] * SLOTS, RANK),
-        "uniform 16 (stack R=64)": ([RANK] * SLOTS, 64),
-        goal: (mixed, 64),
-        "all 64 (4x the bytes)": ([64] * SLOTS, 64),
+    base, goal, out_major = "uniform 16 (stack R=16)", "mixed 8/16/32/64 (R=64)", "mixed, out-major B"
+    variants = {  # name: ranks, stack R, B rank-major
+        base: ([RANK] * SLOTS, RANK, True),
+        "uniform 16 (stack R=64)": ([RANK] * SLOTS, 64, True),
+        goal: (mixed, 64, True),
+        out_major: (mixed, 64, False),
+        "all 64 (4x the bytes)": ([64] * SLOTS, 64, True),
     }
-    for column, (block_m, cfg) in enumerate(configs.items()):
-        cfg = replace(cfg, variant=DEFAULTS)
+    for column, (block_m, rank_major_cfg) in enumerate(configs.items()):
+        rank_major_cfg = replace(rank_major_cfg, variant=DEFAULTS)
         times: dict[str, float] = {}
         halves: dict[str, tuple[float, float]] = {}
-        for name, (ranks, max_rank) in variants.items():
-            stack = LayerStack(ranks, max_rank, layers, block_m)
+        for name, (ranks, max_rank, rank_major) in variants.items():
+            cfg = rank_major_cfg
+            if not rank_major and block_m in OUT_MAJOR_EXPAND:
+                cfg = replace(cfg, expand=OUT_MAJOR_EXPAND[block_m])
+            stack = LayerStack(ranks, max_rank, layers, block_m, rank_major)
             stack.use(slots)
             check_lora(stack.loras[0], slots, partial(_run, stack.loras[0], plan=stack.plan, cfg=cfg), name)
             graph = stack.graph(partial(_run, plan=stack.plan, cfg=cfg))
             check_lora(stack.loras[0], slots, graph.replay, name + " (graph)")
             times[name] = median_us(graph.replay, args.quick) / layers
             del graph
-            if name in (base, goal):
+            if name in (base, goal, out_major):
                 halves[name] = (
                     stack.per_layer_us(partial(_run, plan=stack.plan, cfg=cfg, expand=False), args.quick),
                     stack.per_layer_us(partial(_run, plan=stack.plan, cfg=cfg, shrink=False), args.quick),
@@ -538,8 +550,9 @@ def section_mixed(args: argparse.Namespace, configs: dict[int, Configs], bw: flo
         verdict = "met" if rel[goal] <= 1.05 else "NOT met"
         SUMMARY.append(
             f"(c) chunks of {block_m:2d}, {DEFAULTS.name}: mixed/uniform-16 at equal bytes x{rel[goal]:.2f} "
-            f"(was x{OLD_MIXED[goal][column]:.2f}; goal <= 1.05 {verdict}); uniform 16 in an R=64 stack "
-            f"x{rel['uniform 16 (stack R=64)']:.2f} (was x{OLD_MIXED['uniform 16 (stack R=64)'][column]:.2f}); "
+            f"(was x{OLD_MIXED[goal][column]:.2f}; goal <= 1.05 {verdict}); out-major B x{rel[out_major]:.2f}; "
+            f"uniform 16 in an R=64 stack x{rel['uniform 16 (stack R=64)']:.2f} "
+            f"(was x{OLD_MIXED['uniform 16 (stack R=64)'][column]:.2f}); "
             f"all rank 64 x{rel['all 64 (4x the bytes)']:.2f}; uniform 16: {times[base]:.1f} us; shrink/expand "
             + ", ".join(f"{n.split(' (')[0]} {sh:.1f}/{ex:.1f} us" for n, (sh, ex) in halves.items())
         )

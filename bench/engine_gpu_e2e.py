@@ -487,11 +487,16 @@ def main() -> None:
     ap.add_argument("--zipf-requests", type=int, default=1500)
     ap.add_argument("--zipf-rate", type=float, default=150.0)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (no figures)")
-    ap.add_argument("--loaders", default="thread", help="adapter loaders to compare in sections d and f")
+    ap.add_argument("--loaders", default="process,thread", help="adapter loaders to compare in sections d and f")
     ap.add_argument(
         "--switch-intervals",
-        default="0,0.2",
+        default="0",
         help="GIL switch intervals (ms; 0 = Python's 5 ms, the engine default) for d and f",
+    )
+    ap.add_argument(
+        "--pinned-mb",
+        default="1024",
+        help="shared pinned arenas of loader processes (MiB; 0 = none, 1024 the default) for d and f",
     )
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
     args = ap.parse_args()
@@ -510,10 +515,16 @@ def main() -> None:
     del eng
     free_gpu_memory()
     # Cold starts, loads under traffic and hot swap, once per adapter loader, side by side in this run.
-    configs = [(loader, float(ms)) for loader in args.loaders.split(",") for ms in args.switch_intervals.split(",")]
-    for loader, switch_ms in configs if {"d", "f"}.intersection(args.only) else []:
-        LOADER = f"{loader} loader, GIL switch {switch_ms or 5:g} ms"
-        eng = b.engine(adapter_loader=loader, gil_switch_interval_ms=switch_ms)
+    configs = [
+        (loader, float(ms), int(mb))
+        for loader in args.loaders.split(",")
+        for ms in args.switch_intervals.split(",")
+        for mb in (args.pinned_mb.split(",") if loader == "process" else ["0"])  # threads use no arena
+    ]
+    for loader, switch_ms, pinned_mb in configs if {"d", "f"}.intersection(args.only) else []:
+        arena = f", shared arena {pinned_mb} MiB" if loader == "process" else ""
+        LOADER = f"{loader} loader, GIL switch {switch_ms or 5:g} ms{arena}"
+        eng = b.engine(adapter_loader=loader, gil_switch_interval_ms=switch_ms, pinned_adapter_memory_mb=pinned_mb)
         if "d" in args.only:
             section_cold_start(b, eng, prompt)
             section_others_during_loads(b, eng, prompt)

@@ -2,9 +2,11 @@
 
 Reading an adapter (safetensors parse, dtype conversion, packing into the slot layout) holds the GIL for
 milliseconds at a time. On a thread of the engine process that stalls the step loop, which is bound by
-Python on a GPU (bench/RESULTS-gpu.md). `ProcessLoader` does the work in spawned worker processes; the
-result comes back through shared memory and the engine process only copies it out, into pinned memory
-when a GPU will read it (one large copy, during which torch releases the GIL).
+Python on a GPU (bench/RESULTS-gpu.md). `ProcessLoader` does the work in spawned worker processes. With a shared
+arena (`PinnedArena(shared=True)`, page-locked shared memory) a worker writes the slot image straight into
+an extent the engine handed it, and only a few numbers come back. Without one (or when it is full), the
+result comes back through torch's shared memory and the engine process copies it out, into pinned memory
+when a GPU will read it.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from __future__ import annotations
 import multiprocessing
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from engine.adapters import AdapterSpec, host_copy, load_adapter
-from engine.lora import AdapterWeights, SlotLayout
+from engine.lora import AdapterWeights, SlotLayout, image_groups
+from engine.pinned_arena import GivenExtent, PinnedArena, attach
 
 
 class AdapterLoader(Protocol):
@@ -55,25 +59,85 @@ def _worker_init() -> None:
 class ProcessLoader:
     """Loads in spawned worker processes (started on first use; each imports torch once)."""
 
-    def __init__(self, dtype: torch.dtype, layout: SlotLayout | None, workers: int = 2) -> None:
-        self._dtype, self._layout = dtype, layout
+    def __init__(
+        self, dtype: torch.dtype, layout: SlotLayout | None, workers: int = 2, arena: PinnedArena | None = None
+    ) -> None:
+        self._dtype, self._layout, self._arena = dtype, layout, arena
         self._pin = torch.cuda.is_available()
         # spawn, not fork: the engine process may hold CUDA state and threads a forked child cannot use.
         context = multiprocessing.get_context("spawn")
         self._executor = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_worker_init)
 
     def submit(self, spec: AdapterSpec) -> Future[AdapterWeights]:
-        inner = self._executor.submit(read_adapter, spec, self._dtype, self._layout, False)
         outer: Future[AdapterWeights] = Future()
+        extent = self._extent_for(spec)
+        if extent is not None:
+            assert self._arena is not None and self._arena.name is not None and self._layout is not None
+            args = (spec, self._dtype, self._layout, self._arena.name, self._arena.offset(extent))
+            into: Future[PackedInfo] = self._executor.submit(read_into_arena, *args)
+            outer.add_done_callback(lambda f: into.cancel() if f.cancelled() else None)
+            into.add_done_callback(_settle_in_arena(outer, extent, self._arena))
+            return outer
+        inner = self._executor.submit(read_adapter, spec, self._dtype, self._layout, False)
         outer.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
-        inner.add_done_callback(_settle(outer, self._pin))
+        inner.add_done_callback(_settle(outer, self._pin, self._arena))
         return outer
+
+    def _extent_for(self, spec: AdapterSpec) -> torch.Tensor | None:
+        """An extent of the shared arena for `spec`'s slot image, if there is one and it has room."""
+        if self._arena is None or self._arena.name is None or self._layout is None:
+            return None
+        return self._arena.take(self._layout.image_size(image_groups(spec.modules), spec.rank), self._dtype)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _settle(outer: Future[AdapterWeights], pin: bool) -> Callable[[Future[AdapterWeights]], None]:
+@dataclass(frozen=True, slots=True)
+class PackedInfo:
+    """What a loader process reports about an image it wrote into the shared arena."""
+
+    rank: int
+    scaling: float
+    modules: frozenset[str]
+    groups: tuple[str, ...]
+
+
+def read_into_arena(spec: AdapterSpec, dtype: torch.dtype, layout: SlotLayout, arena: str, offset: int) -> PackedInfo:
+    """In a loader process: disk -> the slot image at byte `offset` of shared arena `arena`."""
+    groups = image_groups(spec.modules)
+    extent = attach(arena, offset, layout.image_size(groups, spec.rank), dtype)
+    weights = load_adapter(spec, dtype, pin=False, layout=layout, arena=GivenExtent(extent))
+    assert weights.packed_groups == groups
+    return PackedInfo(weights.rank, weights.scaling, weights.modules, groups)
+
+
+def _settle_in_arena(
+    outer: Future[AdapterWeights], extent: torch.Tensor, arena: PinnedArena
+) -> Callable[[Future[PackedInfo]], None]:
+    # The extent goes back to the arena on every outcome but a delivered result (no copy has read it).
+    def done(inner: Future[PackedInfo]) -> None:
+        if outer.cancelled() or inner.cancelled():
+            arena.give_back(extent)
+            outer.cancel()
+            return
+        exc = inner.exception()
+        if exc is not None:
+            arena.give_back(extent)
+            outer.set_exception(exc)
+            return
+        info = inner.result()
+        if not outer.set_running_or_notify_cancel():
+            arena.give_back(extent)
+            return
+        outer.set_result(AdapterWeights(info.rank, info.scaling, info.modules, {}, extent, info.groups))
+
+    return done
+
+
+def _settle(
+    outer: Future[AdapterWeights], pin: bool, arena: PinnedArena | None
+) -> Callable[[Future[AdapterWeights]], None]:
     def done(inner: Future[AdapterWeights]) -> None:
         if outer.cancelled():
             return
@@ -85,17 +149,19 @@ def _settle(outer: Future[AdapterWeights], pin: bool) -> Callable[[Future[Adapte
             outer.set_exception(exc)
             return
         try:
-            outer.set_result(_own(inner.result(), pin))
+            outer.set_result(_own(inner.result(), pin, arena))
         except Exception as copy_error:  # e.g. out of pinned memory: report it as the load's failure
             outer.set_exception(copy_error)
 
     return done
 
 
-def _own(weights: AdapterWeights, pin: bool) -> AdapterWeights:
+def _own(weights: AdapterWeights, pin: bool, arena: PinnedArena | None) -> AdapterWeights:
     """The weights copied out of the worker's shared memory (freed once the shared tensors die)."""
     if weights.packed is not None:
-        packed = torch.empty_like(weights.packed, pin_memory=pin)
+        packed = arena.take(weights.packed.numel(), weights.packed.dtype) if arena is not None else None
+        if packed is None:
+            packed = torch.empty_like(weights.packed, pin_memory=pin)
         packed.copy_(weights.packed)
         return AdapterWeights(weights.rank, weights.scaling, weights.modules, {}, packed, weights.packed_groups)
     dtype = next(iter(weights.tensors.values()))[0].dtype

@@ -16,6 +16,7 @@ import torch
 
 from engine.config import LORA_MODULES, ModelArch
 from engine.lora import AdapterWeights, SlotLayout, pack_adapter
+from engine.pinned_arena import HostBuffers
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -119,10 +120,15 @@ def _check_weights_header(folder: Path, arch: ModelArch, rank: int) -> frozenset
 
 
 def load_adapter(
-    spec: AdapterSpec, dtype: torch.dtype, pin: bool | None = None, layout: SlotLayout | None = None
+    spec: AdapterSpec,
+    dtype: torch.dtype,
+    pin: bool | None = None,
+    layout: SlotLayout | None = None,
+    arena: HostBuffers | None = None,
 ) -> AdapterWeights:
     """Read the adapter's tensors into one `dtype` host buffer, pinned (by default when CUDA is available)
-    for asynchronous copies to a GPU; for fused stacks (`layout`) straight into their slot layout."""
+    for asynchronous copies to a GPU; for fused stacks (`layout`) straight into their slot layout, in
+    `arena` when it has room."""
     from safetensors import SafetensorError
     from safetensors.torch import load
 
@@ -147,13 +153,16 @@ def load_adapter(
     # The conversion to `dtype` happens in the one copy into the final buffer, which is checked as a whole
     # (values finite in the file can overflow in a narrower dtype); the culprit is looked for only on failure.
     if layout is not None:
-        weights = pack_adapter(layout, AdapterWeights(spec.rank, spec.scaling, spec.modules, tensors), dtype, pin)
+        loose = AdapterWeights(spec.rank, spec.scaling, spec.modules, tensors)
+        weights = pack_adapter(layout, loose, dtype, pin, arena)
         assert weights.packed is not None
         flat = weights.packed
     else:
         host, flat = host_copy(tensors, dtype, pin)
         weights = AdapterWeights(spec.rank, spec.scaling, spec.modules, host)
     if not _all_finite(flat):
+        if arena is not None:
+            arena.give_back(flat)  # never copied anywhere: reusable at once
         name = next(
             f"{key[1]} of layer {key[0]}"
             for key, pair in tensors.items()

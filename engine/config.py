@@ -23,7 +23,11 @@ class EngineConfig:
     max_lora_rank: int = 32
     host_adapter_cache: int = 64  # adapters kept loaded in host memory
     adapter_eviction: str = "frequency"  # LoRA slots: frequency (decayed frequency, recency, pinning) | lru
-    adapter_loader: str = "thread"  # where adapter files are read: thread | process (keeps the GIL free)
+    # Where adapter files are read: thread | process (keeps the GIL free) | auto (process on CUDA, else thread)
+    adapter_loader: str = "auto"
+    # CUDA with loader processes: page-locked shared memory taken at start-up, which the loaders write host
+    # images straight into (beyond it, each image is pinned alone)
+    pinned_adapter_memory_mb: int = 1024
     default_max_tokens: int = 256
     gpu_memory_utilization: float = 0.9  # share of free GPU memory the KV cache may take
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
@@ -47,12 +51,14 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.pinned_adapter_memory_mb < 0:
+            raise ValueError(f"pinned_adapter_memory_mb must be >= 0, got {self.pinned_adapter_memory_mb}")
         if self.gil_switch_interval_ms < 0:
             raise ValueError(f"gil_switch_interval_ms must be >= 0, got {self.gil_switch_interval_ms}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be within (0, 1], got {self.gpu_memory_utilization}")
-        if self.adapter_loader not in ("thread", "process"):
-            raise ValueError(f"adapter_loader must be thread or process, got {self.adapter_loader!r}")
+        if self.adapter_loader not in ("auto", "thread", "process"):
+            raise ValueError(f"adapter_loader must be auto, thread or process, got {self.adapter_loader!r}")
         if self.adapter_eviction not in ("frequency", "lru"):
             raise ValueError(f"adapter_eviction must be frequency or lru, got {self.adapter_eviction!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

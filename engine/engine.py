@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engine import interpreter
-from engine.adapter_loader import ProcessLoader, ThreadLoader
+from engine.adapter_loader import AdapterLoader, ProcessLoader, ThreadLoader
 from engine.adapters import AdapterError
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, PrefillGraphs
@@ -27,6 +27,7 @@ from engine.kv_cache import KVCache
 from engine.loader import load_weights, resolve_model
 from engine.lora import LoRABatch, LoRAStacks
 from engine.model import DecoderModel, SeqSlice
+from engine.pinned_arena import PinnedArena, shared_arena_fits
 from engine.pool import AdapterPool, AdapterVersion
 from engine.sampling import SamplingParams, make_generator, sample
 from engine.scheduler import Scheduler
@@ -91,9 +92,14 @@ class LLMEngine:
         self.stacks = LoRAStacks(arch, config.lora_slots, config.max_lora_rank, self.dtype, self.device)
         self.kv = KVCache(arch, self._kv_slots(), self.max_model_len, self.dtype, self.device)
         eviction = LRUPolicy() if config.adapter_eviction == "lru" else DecayedFrequencyPolicy()
-        loader_type = ProcessLoader if config.adapter_loader == "process" else ThreadLoader
-        loader = loader_type(self.dtype, self.stacks.layout)
-        self.pool = AdapterPool(arch, self.stacks, self.dtype, config.host_adapter_cache, eviction, loader)
+        loader: AdapterLoader
+        self._arena: PinnedArena | None = None
+        if self._loads_in_processes(config):
+            self._arena = self._shared_arena(config.pinned_adapter_memory_mb)
+            loader = ProcessLoader(self.dtype, self.stacks.layout, arena=self._arena)
+        else:
+            loader = ThreadLoader(self.dtype, self.stacks.layout)
+        self.pool = AdapterPool(arch, self.stacks, self.dtype, config.host_adapter_cache, eviction, loader, self._arena)
         self.pool.on_loaded.append(self._wake)
         self.scheduler = Scheduler(self.kv, self.pool, config.max_num_batched_tokens)
         self.graphs: DecodeGraphs | None = None
@@ -121,6 +127,23 @@ class LLMEngine:
         self._settled = self.device.type == "cuda"  # only a GPU engine's step loop is Python-bound
         if self._settled:
             interpreter.settle_for_serving(config.gil_switch_interval_ms)
+
+    def _loads_in_processes(self, config: EngineConfig) -> bool:
+        """Loader processes keep adapter loads off a GPU engine's GIL-bound step loop (RESULTS-gpu.md,
+        section d); a CPU engine's loop is bound by its matmuls, and threads start faster."""
+        if config.adapter_loader == "auto":
+            return self.device.type == "cuda"
+        return config.adapter_loader == "process"
+
+    def _shared_arena(self, megabytes: int) -> PinnedArena | None:
+        """Page-locked shared memory that loader processes write adapter images straight into (CUDA, and
+        only if /dev/shm has room; otherwise they hand results back to be copied)."""
+        if self.device.type != "cuda" or megabytes == 0:
+            return None
+        if not shared_arena_fits(megabytes << 20):
+            log.warning("/dev/shm has no room for a %d MiB adapter arena: loader processes copy results", megabytes)
+            return None
+        return PinnedArena(megabytes << 20, shared=True)
 
     def _kv_slots(self) -> int:
         """KV slots: `max_num_seqs`, fewer on a GPU whose free memory cannot hold them."""
@@ -174,6 +197,8 @@ class LLMEngine:
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         self.pool.close()
+        if self._arena is not None:
+            self._arena.close()
         if self._settled:
             self._settled = False
             interpreter.restore()

@@ -2,7 +2,9 @@
 
 Layout shared by every implementation (vLLM's `lora/` contract):
 - `a_stack[S, R, K]`: slot s holds adapter A (rank r_s <= R rows; rows >= r_s are zero).
-- `b_stack[S, N, R]`: slot s holds adapter B (columns >= r_s are zero).
+- `b_stack[S, N, R]`: slot s holds adapter B (columns >= r_s are zero). The engine stores it rank-major,
+  `[S, R, N]` passed as its transposed view (a rank-r slot's B is r contiguous rows); the triton kernels
+  take either that or a contiguous `[S, N, R]` (`kernels_triton.expand`), the torch paths any strides.
 - `ranks[S]`: rank of each slot (0 for an empty slot).
 - `scalings[S]`: alpha / r (or alpha / sqrt(r) for rsLoRA) per slot.
 - `token_slots[T]`: slot of each token, -1 = base model only (no LoRA contribution).

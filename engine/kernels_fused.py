@@ -21,6 +21,7 @@ from engine.kernels_triton import (
     _programs,
     _share,
     _upcast_dots,
+    b_rank_major,
 )
 from engine.lora_plan import SegmentPlan
 
@@ -68,6 +69,7 @@ def _fused_kernel(
     stride_ar: tl.tensor,
     stride_bs: tl.tensor,
     stride_bn: tl.tensor,
+    stride_br: tl.tensor,
     SLICES: tl.constexpr,
     N_TILES: tl.constexpr,
     N_ITERS: tl.constexpr,
@@ -101,7 +103,8 @@ def _fused_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     a_rows = a_ptr + slot * stride_as + (sl * R_SLICE + offs_r)[:, None].to(tl.int64) * stride_ar
-    b_base = b_ptr + slot * stride_bs + offs_r[None, :]
+    # B^T tiles [BLOCK_R, BLOCK_N]: rows past the rank are not read (rank-major B: whole rows skipped).
+    b_rows = b_ptr + slot * stride_bs + offs_r[:, None] * stride_br
     if BLOCK_M == 1:
         # One token: matrix-vector products, no tensor-core tile padded to 16 tokens.
         tok = tl.load(order_ptr + start).to(tl.int64)
@@ -117,8 +120,8 @@ def _fused_kernel(
             offs_n = n_begin + j * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < n_stop
             cols = (n_start + offs_n).to(tl.int64)
-            bt = tl.load(b_base + cols[:, None] * stride_bn, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-            delta_1 = tl.sum(bt.to(tl.float32) * h_1[None, :], axis=1)
+            bt = tl.load(b_rows + cols[None, :] * stride_bn, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            delta_1 = tl.sum(bt.to(tl.float32) * h_1[:, None], axis=0)
             y_1 = y_ptr + tok * stride_yt + cols
             old_1 = tl.load(y_1, mask=n_ok, other=0.0)
             tl.store(y_1, (old_1.to(tl.float32) + scale * delta_1).to(old_1.dtype), mask=n_ok)
@@ -145,10 +148,10 @@ def _fused_kernel(
             offs_n = n_begin + j * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < n_stop
             cols = (n_start + offs_n).to(tl.int64)
-            bt = tl.load(b_base + cols[:, None] * stride_bn, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+            bt = tl.load(b_rows + cols[None, :] * stride_bn, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
             if UPCAST:
                 bt = bt.to(tl.float32)
-            delta = tl.dot(h, tl.trans(bt), input_precision=PRECISION)
+            delta = tl.dot(h, bt, input_precision=PRECISION)
             y_mask = tok_ok[:, None] & n_ok[None, :]
             old = tl.load(y_rows + cols[None, :], mask=y_mask, other=0.0)
             tl.store(y_rows + cols[None, :], (old.to(tl.float32) + scale * delta).to(old.dtype), mask=y_mask)
@@ -173,8 +176,9 @@ def fused(
 ) -> None:
     """y[:, slice l] += scaling * B_l @ (A_l @ x) for the plan's tokens, in place, in one launch.
 
-    Same layouts and semantics as `shrink` then `expand` (module docstring), but h never leaves registers:
-    each program computes its (chunk, slice)'s h over the whole K, then its share of the slice's columns.
+    Same layouts and semantics as `shrink` then `expand` (module docstring; `b_stack` rank-major or
+    out-major), but h never leaves registers: each program computes its (chunk, slice)'s h over the whole K,
+    then its share of the slice's columns.
     """
     cfg = config or default_fused_config(plan.block_m)
     sizes = list(slice_sizes) if slice_sizes is not None else [b_stack.shape[1]]
@@ -184,8 +188,9 @@ def fused(
         raise ValueError("slice_sizes must add up to b_stack's and y's output width")
     if a_stack.shape[1] != len(sizes) * r_slice or a_stack.shape[2] != k_dim or y.shape[0] != num_tokens:
         raise ValueError("a_stack must be [S, L*R, K] for L slices of rank R and x's K")
-    if any(t.stride(-1) != 1 for t in (y, x, a_stack, b_stack)):
-        raise ValueError("y, x, a_stack and b_stack need a contiguous last dimension")
+    if any(t.stride(-1) != 1 for t in (y, x, a_stack)):
+        raise ValueError("y, x and a_stack need a contiguous last dimension")
+    b_rank_major(b_stack)  # N or R contiguous
     block_r = max(triton.next_power_of_2(r_slice), 16)
     block_m = 1 if plan.block_m == 1 else max(16, triton.next_power_of_2(plan.block_m))
     # Both bodies hold a whole B tile in registers: cap it below spilling (a rank-64 stack with 1024-wide
@@ -219,6 +224,7 @@ def fused(
         a_stack.stride(1),
         b_stack.stride(0),
         b_stack.stride(1),
+        b_stack.stride(2),
         SLICES=len(sizes),
         N_TILES=n_tiles,
         N_ITERS=triton.cdiv(n_tiles, fewest_parts),

@@ -24,18 +24,23 @@ block is `ShrinkConfig.block_r`, 16 by default.)
 
 - expand reads `b_stack[S, N0+...+N(L-1), R]` (the slices' B stacked along the output axis) and adds into
   the fused output `y[T, N0+...]` in place; slice l uses columns [l*R, l*R + ranks[s]) of h. The programs
-  of a (chunk, slice)'s units split its columns, each looping over the rank in blocks of 16:
+  of a (chunk, slice)'s units split its columns, each looping over the rank in blocks of 16. With bt the
+  rank-major view of B (`bt[s, r, n] = b_stack[s, n, r]`):
 
       for chunk c, slice l, column range Np:          # a rank-64 chunk: 4x the programs of a rank-16 one
           s = chunk_slot[c]
           for t in tokens of c:
-              y[t, Np] += scalings[s] * b_stack[s, Np, :ranks[s]] @ h[t, l*R : l*R + ranks[s]]
+              y[t, Np] += scalings[s] * h[t, l*R : l*R + ranks[s]] @ bt[s, :ranks[s], Np]
 
 A rank block past a slot's rank is never loaded, so a batch of mixed ranks costs its true bytes and its
-programs follow its true ranks, not every adapter padded to the stack's R. Within the last block, expand
-loads B's columns up to the block's end (zero by the layout contract, and met by h masked to zero) so that
-its loads stay 16 bytes wide; shrink masks A's rows at the rank. Tokens with slot -1 are in no chunk: their h
-rows stay zero and their y rows untouched. The torch definitions live in `engine.kernels`.
+programs follow its true ranks, not every adapter padded to the stack's R. Shrink masks A's rows at the rank.
+B should be stored rank-major (storage `[S, R, N]`, passed as `store.transpose(-1, -2)`: N contiguous), as
+the engine's stacks are: a rank-r slot's B is then r contiguous rows, expand reads only the rows below the
+rank, 16 bytes wide along N, and a rank-8 adapter in a rank-64 stack moves only its own bytes. Out-major B
+(R contiguous) is accepted too; there the last rank block is read up to its end (zero by the layout
+contract, and met by h masked to zero) to keep its loads 16 bytes wide along R, and a low rank wastes most of
+every 32-byte sector. Tokens with slot -1 are in no chunk: their h rows stay zero and their y rows untouched.
+The torch definitions live in `engine.kernels`.
 
 Latency: at decode sizes a program spends most of its time waiting on a chain of dependent loads (chunk
 count and the plan's ranks -> chunk row -> first token -> x / weights) and on the previous launch. Two
@@ -97,9 +102,14 @@ class ExpandConfig:
 def default_configs(block_m: int) -> tuple[ShrinkConfig, ExpandConfig]:
     """Launch shapes per chunk height, from bench/engine_gpu.py --sweep on an H200 (decode batch 64);
     prefill's keep a 64-row tile's registers under the spill line. Shrink's rank blocks are 16 rows at every
-    height (chunks of 16 swept best at 64 when a block could span slices; not re-swept since)."""
+    height (chunks of 16 swept best at 64 when a block could span slices; not re-swept since).
+
+    Per-token expand: 1024 columns are one 16-byte vector of bf16 per thread across 4 warps, so with rank-major
+    B the warps lie along N only and each thread sums its own 16 rank rows (at 512, swept with out-major B, two
+    warps split the rank rows and each rank block's sum crossed shared memory; offline sm_90 compile: 56
+    registers instead of 64-72). Not yet re-swept on a GPU."""
     if block_m == 1:
-        return ShrinkConfig(block_k=256, block_r=16, programs_per_sm=8), ExpandConfig(block_n=512, programs_per_sm=4)
+        return ShrinkConfig(block_k=256, block_r=16, programs_per_sm=8), ExpandConfig(block_n=1024, programs_per_sm=4)
     if block_m <= 16:
         return ShrinkConfig(block_k=128, block_r=16, programs_per_sm=8), ExpandConfig(block_n=512, programs_per_sm=8)
     return ShrinkConfig(block_k=64, block_r=16), ExpandConfig(block_n=64)
@@ -374,14 +384,27 @@ def _shrink_kernel(
 
 
 @triton.jit
-def _b_block(b_rows: tl.tensor, n_ok: tl.tensor, rb: tl.tensor, R_SLICE: tl.constexpr) -> tl.tensor:
-    """Columns [rb*RANK_BLOCK, +RANK_BLOCK) of a B tile (`b_rows`: its rows' starts). Columns past the rank
-    are zero by the layout and meet zeros of h, so only the stack's edge masks them: a mask constant along
-    the block keeps the loads 16 bytes wide (a mask at the rank made them 2 bytes wide)."""
+def _b_block(
+    b_cols: tl.tensor,
+    n_ok: tl.tensor,
+    stride_br: tl.tensor,
+    rank: tl.tensor,
+    rb: tl.tensor,
+    R_SLICE: tl.constexpr,
+    RANK_MAJOR: tl.constexpr,
+) -> tl.tensor:
+    """Rank rows [rb*RANK_BLOCK, +RANK_BLOCK) of a B^T tile, [RANK_BLOCK, BLOCK_N] (`b_cols`: the tile's
+    columns at rank 0, [1, BLOCK_N]). Rank-major B (N contiguous): rows past the rank are masked off, so a
+    low-rank adapter reads only its own rows; the mask is constant along N and the loads stay 16 bytes wide.
+    Out-major B (R contiguous): rows past the rank are zero by the layout and meet zeros of h, so only the
+    stack's edge masks them, as a mask at the rank would make the loads along R 2 bytes wide."""
     offs_r = rb * RANK_BLOCK + tl.arange(0, RANK_BLOCK)
+    ptrs = b_cols + offs_r[:, None] * stride_br
+    if RANK_MAJOR:
+        return tl.load(ptrs, mask=(offs_r < rank)[:, None] & n_ok[None, :], other=0.0)
     if R_SLICE // RANK_BLOCK * RANK_BLOCK == R_SLICE:  # (the interpreter lacks int % constexpr)
-        return tl.load(b_rows + offs_r[None, :], mask=n_ok[:, None], other=0.0)
-    return tl.load(b_rows + offs_r[None, :], mask=n_ok[:, None] & (offs_r < R_SLICE)[None, :], other=0.0)
+        return tl.load(ptrs, mask=n_ok[None, :], other=0.0)
+    return tl.load(ptrs, mask=(offs_r < R_SLICE)[:, None] & n_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -395,53 +418,70 @@ def _h_block(h_rows: tl.tensor, rank: tl.tensor, rb: tl.tensor, B_DTYPE: tl.cons
 
 
 @triton.jit
+def _col_dots(bt: tl.tensor, h: tl.tensor) -> tl.tensor:
+    """h . bt[:, n] in fp32, per column n."""
+    return tl.sum(bt.to(tl.float32) * h.to(tl.float32)[:, None], axis=0)
+
+
+@triton.jit
 def _token_delta(
     bt0: tl.tensor,
     h0: tl.tensor,
-    b_rows: tl.tensor,
+    b_cols: tl.tensor,
     n_ok: tl.tensor,
+    stride_br: tl.tensor,
     h_row: tl.tensor,
     rank: tl.tensor,
     R_BLOCKS: tl.constexpr,
     R_SLICE: tl.constexpr,
+    RANK_MAJOR: tl.constexpr,
     STATIC_LOOPS: tl.constexpr,
 ) -> tl.tensor:
-    """B[cols, :rank] @ h[:rank] for one token, given rank block 0 of B and h; later blocks only up to the
+    """B[cols, :rank] @ h[:rank] for one token, given rank block 0 of B^T and h; later blocks only up to the
     rank (a branch, not a mask: blocks past it cost no instructions)."""
-    delta = _row_dots(bt0, h0)
+    delta = _col_dots(bt0, h0)
     if R_BLOCKS > 1:
         for rb in range(1, R_BLOCKS if STATIC_LOOPS else tl.cdiv(rank, RANK_BLOCK)):
-            bt = _b_block(b_rows, n_ok, rb, R_SLICE)
-            delta += _row_dots(bt, _h_block(h_row, rank, rb, bt.dtype))
+            bt = _b_block(b_cols, n_ok, stride_br, rank, rb, R_SLICE, RANK_MAJOR)
+            delta += _col_dots(bt, _h_block(h_row, rank, rb, bt.dtype))
     return delta
 
 
 @triton.jit
-def _tile_delta(
+def _tile_add(
+    y_rows: tl.tensor,
+    cols: tl.tensor,
+    n_ok: tl.tensor,
+    tok_ok: tl.tensor,
+    scale: tl.tensor,
     bt0: tl.tensor,
     h0: tl.tensor,
-    b_rows: tl.tensor,
-    n_ok: tl.tensor,
+    b_cols: tl.tensor,
+    stride_br: tl.tensor,
     h_rows: tl.tensor,
     rank: tl.tensor,
     R_BLOCKS: tl.constexpr,
     R_SLICE: tl.constexpr,
+    RANK_MAJOR: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     STATIC_LOOPS: tl.constexpr,
-) -> tl.tensor:
-    """h[toks, :rank] @ B[cols, :rank]^T on tensor cores, block by rank block as in `_token_delta`."""
+) -> None:
+    """y[toks, cols] += scale * h[toks, :rank] @ B^T[:rank, cols] for one column tile, on tensor cores, rank
+    block by rank block as in `_token_delta` (given block 0 of B^T and h), read-modify-write in y's dtype."""
     if UPCAST:
         bt0 = bt0.to(tl.float32)
-    delta = tl.dot(h0, tl.trans(bt0), input_precision=PRECISION)
+    delta = tl.dot(h0, bt0, input_precision=PRECISION)
     if R_BLOCKS > 1:
         for rb in range(1, R_BLOCKS if STATIC_LOOPS else tl.cdiv(rank, RANK_BLOCK)):
-            bt = _b_block(b_rows, n_ok, rb, R_SLICE)
+            bt = _b_block(b_cols, n_ok, stride_br, rank, rb, R_SLICE, RANK_MAJOR)
             h = _h_block(h_rows, rank, rb, bt.dtype).to(bt.dtype)
             if UPCAST:
                 h, bt = h.to(tl.float32), bt.to(tl.float32)
-            delta = tl.dot(h, tl.trans(bt), delta, input_precision=PRECISION)
-    return delta
+            delta = tl.dot(h, bt, delta, input_precision=PRECISION)
+    mask = tok_ok[:, None] & n_ok[None, :]
+    old = tl.load(y_rows + cols[None, :], mask=mask, other=0.0)
+    tl.store(y_rows + cols[None, :], (old.to(tl.float32) + scale * delta).to(old.dtype), mask=mask)
 
 
 @triton.jit
@@ -463,12 +503,14 @@ def _expand_kernel(
     stride_ht: tl.tensor,
     stride_bs: tl.tensor,
     stride_bn: tl.tensor,
+    stride_br: tl.tensor,
     SLICES: tl.constexpr,
     R_BLOCKS: tl.constexpr,
     CHUNKS: tl.constexpr,
     N_TILES: tl.constexpr,
     N_ITERS: tl.constexpr,
     R_SLICE: tl.constexpr,
+    RANK_MAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -511,7 +553,7 @@ def _expand_kernel(
     if not SHORT_CHAIN:
         scale = tl.load(scalings_ptr + slot)
     b_base = b_ptr + slot * stride_bs
-    b_rows0 = b_base + cols0[:, None] * stride_bn
+    b_cols0 = b_base + cols0[None, :] * stride_bn
     # With PDL the first column tile runs ahead of the loop: its first rank block of B is read before the
     # previous kernel has finished. (Reading its y before the rank arrives, for the short chain, cost 165
     # registers against 96.)
@@ -522,28 +564,32 @@ def _expand_kernel(
         tok = first_tok if SHORT_CHAIN else tl.load(order_ptr + start).to(tl.int64)
         y_1 = y_ptr + tok * stride_yt
         if PEELED:
-            bt0 = _b_block(b_rows0, n0_ok, 0, R_SLICE)
+            bt0 = _b_block(b_cols0, n0_ok, stride_br, rank, 0, R_SLICE, RANK_MAJOR)
             _await_previous(GDC)
         h_row = h_ptr + tok * stride_ht + sl * R_SLICE
         h0_1 = _h_block(h_row, rank, 0, b_ptr.dtype.element_ty)
         if PEELED:
             old0_1 = tl.load(y_1 + cols0, mask=n0_ok, other=0.0)
-            delta0_1 = _token_delta(bt0, h0_1, b_rows0, n0_ok, h_row, rank, R_BLOCKS, R_SLICE, STATIC_LOOPS)
+            delta0_1 = _token_delta(
+                bt0, h0_1, b_cols0, n0_ok, stride_br, h_row, rank, R_BLOCKS, R_SLICE, RANK_MAJOR, STATIC_LOOPS
+            )
             tl.store(y_1 + cols0, (old0_1.to(tl.float32) + scale * delta0_1).to(old0_1.dtype), mask=n0_ok)
         for i in range(PEELED, N_ITERS if STATIC_LOOPS else tl.cdiv(n_stop - n_begin, BLOCK_N)):
             offs_n = n_begin + i * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < n_stop
             cols = (n_start + offs_n).to(tl.int64)
-            b_rows = b_base + cols[:, None] * stride_bn
-            bt = _b_block(b_rows, n_ok, 0, R_SLICE)
+            b_cols = b_base + cols[None, :] * stride_bn
+            bt = _b_block(b_cols, n_ok, stride_br, rank, 0, R_SLICE, RANK_MAJOR)
             old_1 = tl.load(y_1 + cols, mask=n_ok, other=0.0)
-            delta_1 = _token_delta(bt, h0_1, b_rows, n_ok, h_row, rank, R_BLOCKS, R_SLICE, STATIC_LOOPS)
+            delta_1 = _token_delta(
+                bt, h0_1, b_cols, n_ok, stride_br, h_row, rank, R_BLOCKS, R_SLICE, RANK_MAJOR, STATIC_LOOPS
+            )
             tl.store(y_1 + cols, (old_1.to(tl.float32) + scale * delta_1).to(old_1.dtype), mask=n_ok)
     else:
         if not SHORT_CHAIN:
             tok_m = tl.load(order_ptr + start + offs_m, mask=tok_ok, other=0).to(tl.int64)
         if PEELED:
-            bt0 = _b_block(b_rows0, n0_ok, 0, R_SLICE)
+            bt0 = _b_block(b_cols0, n0_ok, stride_br, rank, 0, R_SLICE, RANK_MAJOR)
             _await_previous(GDC)
         h_rows = h_ptr + tok_m[:, None] * stride_ht + sl * R_SLICE
         h0 = _h_block(h_rows, rank, 0, b_ptr.dtype.element_ty).to(b_ptr.dtype.element_ty)
@@ -551,22 +597,20 @@ def _expand_kernel(
             h0 = h0.to(tl.float32)
         y_rows = y_ptr + tok_m[:, None] * stride_yt
         if PEELED:
-            y0_mask = tok_ok[:, None] & n0_ok[None, :]
-            delta0 = _tile_delta(
-                bt0, h0, b_rows0, n0_ok, h_rows, rank, R_BLOCKS, R_SLICE, PRECISION, UPCAST, STATIC_LOOPS
-            )
-            old0 = tl.load(y_rows + cols0[None, :], mask=y0_mask, other=0.0)
-            tl.store(y_rows + cols0[None, :], (old0.to(tl.float32) + scale * delta0).to(old0.dtype), mask=y0_mask)
+            _tile_add(
+                y_rows, cols0, n0_ok, tok_ok, scale, bt0, h0, b_cols0, stride_br, h_rows, rank,
+                R_BLOCKS, R_SLICE, RANK_MAJOR, PRECISION, UPCAST, STATIC_LOOPS,
+            )  # fmt: skip
         for i in range(PEELED, N_ITERS if STATIC_LOOPS else tl.cdiv(n_stop - n_begin, BLOCK_N)):
             offs_n = n_begin + i * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < n_stop
             cols = (n_start + offs_n).to(tl.int64)
-            b_rows = b_base + cols[:, None] * stride_bn
-            bt = _b_block(b_rows, n_ok, 0, R_SLICE)
-            delta = _tile_delta(bt, h0, b_rows, n_ok, h_rows, rank, R_BLOCKS, R_SLICE, PRECISION, UPCAST, STATIC_LOOPS)
-            y_mask = tok_ok[:, None] & n_ok[None, :]
-            old = tl.load(y_rows + cols[None, :], mask=y_mask, other=0.0)
-            tl.store(y_rows + cols[None, :], (old.to(tl.float32) + scale * delta).to(old.dtype), mask=y_mask)
+            b_cols = b_base + cols[None, :] * stride_bn
+            bt = _b_block(b_cols, n_ok, stride_br, rank, 0, R_SLICE, RANK_MAJOR)
+            _tile_add(
+                y_rows, cols, n_ok, tok_ok, scale, bt, h0, b_cols, stride_br, h_rows, rank,
+                R_BLOCKS, R_SLICE, RANK_MAJOR, PRECISION, UPCAST, STATIC_LOOPS,
+            )  # fmt: skip
 
 
 # Elements of a weight tile per thread in the per-token bodies (x2 for expand, whose tile is read once)
@@ -577,6 +621,16 @@ _TILE_PER_THREAD = 64
 def _programs(device: torch.device, per_sm: int, at_least: int) -> int:
     # Every work unit of a full plan needs a program of its own, or some would never run.
     return max(per_sm * _sm_count(device), at_least)
+
+
+def b_rank_major(b_stack: torch.Tensor) -> bool:
+    """Whether `b_stack[S, N, R]` is stored rank-major (N contiguous, a transposed `[S, R, N]` store: a rank-r
+    slot's B is r contiguous rows) rather than out-major (R contiguous)."""
+    if b_stack.stride(1) == 1:
+        return True
+    if b_stack.stride(2) == 1:
+        return False
+    raise ValueError(f"b_stack [S, N, R] needs a contiguous N or R axis (strides {tuple(b_stack.stride())})")
 
 
 def _scanned_chunks(plan: SegmentPlan) -> int:
@@ -671,7 +725,8 @@ def expand(
 ) -> None:
     """y[:, slice l] += scaling * B_l @ h_l for the plan's tokens, in place (module docstring).
 
-    `pdl` and `short_chain` as in `shrink`.
+    `b_stack` is `[S, N, R]` with its N or its R axis contiguous: rank-major storage `[S, R, N]` (the
+    engine's) is passed as `store.transpose(-1, -2)`. `pdl` and `short_chain` as in `shrink`.
     """
     cfg = config or default_configs(plan.block_m)[1]
     latency = _latency(y.device, pdl, short_chain)
@@ -679,8 +734,9 @@ def expand(
     r_slice = b_stack.shape[2]
     if not 1 <= len(sizes) <= MAX_SLICES or sum(sizes) != b_stack.shape[1] or y.shape[1] != b_stack.shape[1]:
         raise ValueError("slice_sizes must add up to b_stack's and y's output width")
-    if y.stride(-1) != 1 or h.stride(-1) != 1 or b_stack.stride(-1) != 1:
-        raise ValueError("y, h and b_stack need a contiguous last dimension")
+    if y.stride(-1) != 1 or h.stride(-1) != 1:
+        raise ValueError("y and h need a contiguous last dimension")
+    rank_major = b_rank_major(b_stack)
     if h.shape[1] != len(sizes) * r_slice:
         raise ValueError("h has L*R columns for L slices of rank R")
     # B tiles in registers are one rank block wide whatever the stack's R (sm_90, bf16: 512 x 64 tiles spilled).
@@ -713,12 +769,14 @@ def expand(
         h.stride(0),
         b_stack.stride(0),
         b_stack.stride(1),
+        b_stack.stride(2),
         SLICES=len(sizes),
         R_BLOCKS=r_blocks,
         CHUNKS=_scanned_chunks(plan),
         N_TILES=n_tiles,
         N_ITERS=triton.cdiv(n_tiles, fewest_parts) if _static_loops() else 0,
         R_SLICE=r_slice,
+        RANK_MAJOR=rank_major,
         BLOCK_M=plan.block_m,
         BLOCK_N=block_n,
         PRECISION=_dot_precision(y.dtype),

@@ -1,7 +1,8 @@
 """Stacked per-slot LoRA weights and the per-step batch view of them (vLLM's `lora/` contract).
 
 `LoRAStacks` preallocates, for every layer and targetable projection, `A[slots, max_rank, in]` and
-`B[slots, out, max_rank]`; `set_lora(slot, adapter)` copies an adapter in (zero-padded to `max_rank`),
+`B[slots, out, max_rank]` (fused stacks store B rank-major, `[slots, max_rank, out]`, and expose it as that
+transposed view); `set_lora(slot, adapter)` copies an adapter in (zero-padded to `max_rank`),
 `reset_lora(slot)` clears it. A step's `LoRABatch` carries the slot of every token (-1 = base only), so one
 forward pass serves base rows and any mix of adapters and ranks.
 """
@@ -18,6 +19,7 @@ import torch
 from engine import kernels
 from engine.config import ModelArch
 from engine.lora_plan import SegmentPlan, plan_segments
+from engine.pinned_arena import HostBuffers
 
 # Projections that share an input, applied together: (group -> members, in fused output column order).
 PROJECTION_GROUPS: dict[str, tuple[str, ...]] = {
@@ -37,8 +39,8 @@ class AdapterWeights:
     modules: frozenset[str]
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     # For fused (CUDA) stacks the adapter is held instead as one buffer in slot layout (`pack_adapter`):
-    # per group in `packed_groups`, A [layers, members, rank, in] then B [layers, out, rank], at the
-    # adapter's own rank (the copy into a slot pads to the stack's max rank).
+    # per group in `packed_groups`, A [layers, members, rank, in] then B rank-major [layers, rank, out], at
+    # the adapter's own rank (the copy into a slot pads to the stack's max rank).
     packed: torch.Tensor | None = None
     packed_groups: tuple[str, ...] = ()
 
@@ -63,14 +65,15 @@ class SlotLayout:
         return sum(math.prod(a) + math.prod(b) for a, b in (self._shapes(group, rank) for group in groups))
 
     def _shapes(self, group: str, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """A [layers, members, rank, in] and B [layers, out, rank] of `group` in an image of `rank`."""
+        """A [layers, members, rank, in] and B [layers, rank, out] of `group` in an image of `rank`."""
         slices = self.group_slices[group]
-        return (self.num_layers, len(slices), rank, self.group_fan_in[group]), (self.num_layers, sum(slices), rank)
+        return (self.num_layers, len(slices), rank, self.group_fan_in[group]), (self.num_layers, rank, sum(slices))
 
     def images(
         self, buffer: torch.Tensor, groups: tuple[str, ...], rank: int
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Views of `buffer` as each group's A [layers, members, rank, in] and B [layers, out, rank]."""
+        """Views of `buffer` as each group's A [layers, members, rank, in] and B [layers, rank, out] (rank-major,
+        as the fused stacks store B: a layer's B is `rank` contiguous rows)."""
         out, offset = [], 0
         for group in groups:
             a_shape, b_shape = self._shapes(group, rank)
@@ -81,15 +84,27 @@ class SlotLayout:
         return out
 
 
-def pack_adapter(layout: SlotLayout, adapter: AdapterWeights, dtype: torch.dtype, pin: bool) -> AdapterWeights:
-    """The adapter (any float dtype) as one `dtype` host buffer in slot layout at its own rank.
+def image_groups(modules: Iterable[str]) -> tuple[str, ...]:
+    """The projection groups an adapter of `modules` stores in its slot image, in image order."""
+    touched = set(modules)
+    return tuple(g for g, members in PROJECTION_GROUPS.items() if touched.intersection(members))
+
+
+def pack_adapter(
+    layout: SlotLayout, adapter: AdapterWeights, dtype: torch.dtype, pin: bool, arena: HostBuffers | None = None
+) -> AdapterWeights:
+    """The adapter (any float dtype) as one `dtype` host buffer in slot layout at its own rank, in `arena`
+    when it has room (else a new buffer, pinned if `pin`).
 
     `LoRAStacks.set_lora` then moves it with one host->device copy and a few strided device copies,
     whatever the number of layers; the host tiers hold rank, not max-rank, bytes. Groups the adapter
     leaves alone are not stored (their group rank of 0 makes the kernels skip them)."""
-    groups = tuple(g for g, members in PROJECTION_GROUPS.items() if adapter.modules.intersection(members))
+    groups = image_groups(adapter.modules)
     r = adapter.rank
-    buffer = torch.empty(layout.image_size(groups, r), dtype=dtype, pin_memory=pin)
+    size = layout.image_size(groups, r)
+    buffer = arena.take(size, dtype) if arena is not None else None
+    if buffer is None:
+        buffer = torch.empty(size, dtype=dtype, pin_memory=pin)
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
     absent: list[torch.Tensor] = []
@@ -97,7 +112,7 @@ def pack_adapter(layout: SlotLayout, adapter: AdapterWeights, dtype: torch.dtype
         for layer in range(layout.num_layers):
             n0 = 0
             for i, (module, width) in enumerate(zip(PROJECTION_GROUPS[group], layout.group_slices[group], strict=True)):
-                views = [a_img[layer, i], b_img[layer, n0 : n0 + width]]
+                views = [a_img[layer, i], b_img[layer, :, n0 : n0 + width].t()]  # B [out, r] into [r, out]
                 pair = adapter.tensors.get((layer, module))
                 if pair is None:
                     absent += views
@@ -132,6 +147,8 @@ class LoRAStacks:
         self.bt: dict[tuple[int, str], torch.Tensor] = {}
         # On CUDA the projections of a group (sharing an input) live in one fused stack, A along the rank
         # axis and B along the output axis (kernels.py "Fused projections"): one kernel pair per group.
+        # Its B is stored rank-major, [slots, max_rank, out], and seen here (group_b, b) as the transposed
+        # [slots, out, max_rank] view: the expand kernel then reads only a slot's first `rank` rows, whole.
         self.group_a: dict[tuple[int, str], torch.Tensor] = {}
         self.group_b: dict[tuple[int, str], torch.Tensor] = {}
         self.group_slices = {g: tuple(shapes[m][1] for m in members) for g, members in PROJECTION_GROUPS.items()}
@@ -144,14 +161,14 @@ class LoRAStacks:
         if fused:
             for group, members in PROJECTION_GROUPS.items():
                 a_shape = (arch.num_layers, slots, len(members) * max_rank, group_fan_in[group])
-                b_shape = (arch.num_layers, slots, sum(self.group_slices[group]), max_rank)
+                b_shape = (arch.num_layers, slots, max_rank, sum(self.group_slices[group]))
                 self._group_a_all[group] = torch.zeros(a_shape, dtype=dtype, device=device)
                 self._group_b_all[group] = torch.zeros(b_shape, dtype=dtype, device=device)
         for layer in range(arch.num_layers):
             for group, members in PROJECTION_GROUPS.items():
                 fan_in = group_fan_in[group]
                 if fused:
-                    a, b = self._group_a_all[group][layer], self._group_b_all[group][layer]
+                    a, b = self._group_a_all[group][layer], self._group_b_all[group][layer].transpose(-1, -2)
                     self.group_a[(layer, group)], self.group_b[(layer, group)] = a, b
                 n0 = 0
                 for i, module in enumerate(members):
@@ -184,6 +201,11 @@ class LoRAStacks:
         self.slot_modules: list[frozenset[str]] = [frozenset()] * slots
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ready: list[torch.cuda.Event | None] = [None] * slots
+
+    @property
+    def copy_stream(self) -> torch.cuda.Stream | None:
+        """The side stream that copies adapters into slots (CUDA), reading their host images."""
+        return self._copy_stream
 
     def pack(self, adapter: AdapterWeights) -> AdapterWeights:
         """`pack_adapter` for this engine's stacks (pinned when CUDA is present); loose stacks keep it as is."""
@@ -229,7 +251,7 @@ class LoRAStacks:
 
     def _copy_packed(self, slot: int, adapter: AdapterWeights) -> None:
         # Per group, the slot of every layer is one strided view: copy the image into its first `rank`
-        # rows (A) and columns (B), zero the rest up to max rank. Groups the adapter leaves alone keep
+        # rows (A, and the rank-major B), zero the rest up to max rank. Groups the adapter leaves alone keep
         # stale weights behind a group rank of 0, which the kernels skip.
         assert adapter.packed is not None and self.layout is not None
         staging = adapter.packed.to(self.ranks.device, non_blocking=True)
@@ -240,11 +262,11 @@ class LoRAStacks:
         images = self.layout.images(staging, adapter.packed_groups, r)
         for group, (a_img, b_img) in zip(adapter.packed_groups, images, strict=True):
             a = self._group_a_all[group][:, slot].unflatten(1, (a_img.shape[1], rmax))  # [L, members, rmax, in]
-            b = self._group_b_all[group][:, slot]  # [L, out, rmax]
-            dst += [a[:, :, :r], b[:, :, :r]]
+            b = self._group_b_all[group][:, slot]  # [L, rmax, out]
+            dst += [a[:, :, :r], b[:, :r]]
             src += [a_img, b_img]
             if r < rmax:
-                padding += [a[:, :, r:], b[:, :, r:]]
+                padding += [a[:, :, r:], b[:, r:]]
         if padding:
             torch._foreach_zero_(padding)
         if dst:

@@ -29,6 +29,7 @@ from engine.adapters import AdapterError, AdapterSpec, read_spec
 from engine.config import ModelArch
 from engine.eviction import DecayedFrequencyPolicy, EvictionPolicy
 from engine.lora import AdapterWeights, LoRAStacks
+from engine.pinned_arena import PinnedArena
 
 
 class AdapterState(enum.Enum):
@@ -89,8 +90,11 @@ class AdapterPool:
         host_capacity: int,
         eviction: EvictionPolicy | None = None,
         loader: AdapterLoader | None = None,
+        arena: PinnedArena | None = None,
     ) -> None:
-        self._arch, self._stacks = arch, stacks
+        """`arena`: where the loader puts host images (if anywhere); the pool gives them back when it drops
+        an adapter from host memory."""
+        self._arch, self._stacks, self._arena = arch, stacks, arena
         # Every slot holds up to max_rank whatever the adapter's rank, so slots are sized 1 for the policy.
         self._eviction: EvictionPolicy = eviction if eviction is not None else DecayedFrequencyPolicy()
         self._host_capacity = host_capacity
@@ -283,7 +287,7 @@ class AdapterPool:
             if excess <= 0:
                 break
             if v is not keep and v.slot is None and not v.pinned and v.active == 0:
-                v.weights = None
+                self._discard_weights(v)
                 excess -= 1
 
     def _retire(self, version: AdapterVersion) -> None:
@@ -299,4 +303,10 @@ class AdapterPool:
             self._slots[version.slot] = None
             self._stacks.reset_lora(version.slot)
             version.slot = None
-        version.weights = None
+        self._discard_weights(version)
+
+    def _discard_weights(self, version: AdapterVersion) -> None:
+        weights, version.weights = version.weights, None
+        if weights is not None and weights.packed is not None and self._arena is not None:
+            # Copies into a slot may still read the image: the arena reuses it once they have run.
+            self._arena.give_back(weights.packed, self._stacks.copy_stream)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import pytest
@@ -16,19 +17,29 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 def stacks(
-    slot_ranks: Sequence[int], max_rank: int, k_dim: int, slice_sizes: Sequence[int], dtype: torch.dtype
+    slot_ranks: Sequence[int],
+    max_rank: int,
+    k_dim: int,
+    slice_sizes: Sequence[int],
+    dtype: torch.dtype,
+    rank_major: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """a_stack, b_stack, ranks, scalings on the GPU; rows/columns past each slot's rank are zero."""
+    """a_stack, b_stack, ranks, scalings on the GPU; A's rows past each slot's rank are zero.
+
+    `rank_major` (the engine's layout): b_stack is the transposed view of a `[S, R, N]` store whose rows past
+    each slot's rank hold NaN, which the kernels must never read. Else a contiguous `[S, N, R]`, zero there."""
     num_slices = len(slice_sizes)
     a = torch.randn(len(slot_ranks), num_slices * max_rank, k_dim) / k_dim**0.5
-    b = torch.randn(len(slot_ranks), sum(slice_sizes), max_rank) / max_rank**0.5
+    store = torch.randn(len(slot_ranks), max_rank, sum(slice_sizes)) / max_rank**0.5
     for s, r in enumerate(slot_ranks):
         for sl in range(num_slices):
             a[s, sl * max_rank + r : (sl + 1) * max_rank] = 0
-        b[s, :, r:] = 0
+        store[s, r:] = math.nan if rank_major else 0
     ranks = torch.tensor(slot_ranks, dtype=torch.int32)
     scalings = torch.rand(len(slot_ranks)) + 0.5
-    return a.to("cuda", dtype), b.to("cuda", dtype), ranks.cuda(), scalings.cuda()
+    store = store.to("cuda", dtype)
+    b = store.transpose(1, 2) if rank_major else store.transpose(1, 2).contiguous()
+    return a.to("cuda", dtype), b, ranks.cuda(), scalings.cuda()
 
 
 def reference(
@@ -63,6 +74,14 @@ SCENARIOS = {
         [1024, 256, 256],
     ),
     "decode-mixed-ranks-64": ([t % 20 for t in range(64)], [8, 16, 32, 64] * 5, 64, 2048, [2752, 2752]),
+    # bench/engine_gpu.py (c) at Llama-7B q/k/v: 64 distinct adapters, 40 of rank 8, 12 of 16, 8 of 32, 4 of 64.
+    "decode-llama-qkv-mixed-64": (
+        list(range(63, -1, -1)),
+        [([8] * 40 + [16] * 12 + [32] * 8 + [64] * 4)[(s * 37) % 64] for s in range(64)],  # shuffled
+        64,
+        4096,
+        [4096, 4096, 4096],
+    ),
     # Ranks that follow no power of two in a rank-64 stack (programs go to chunks by their true rank, expand
     # loops over rank blocks of 16 up to each rank), in a stack of R = 24 (its last block masked at the
     # stack's edge), and prefill tiles of 64 tokens over ranks 8 / 64 / 24.
@@ -87,13 +106,20 @@ SCENARIOS = {
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "shrink-expand"])
 @pytest.mark.parametrize("block_m", [None, 16], ids=["default-chunks", "chunks-of-16"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    ("dtype", "rank_major"),
+    [(torch.bfloat16, True), (torch.float32, True), (torch.bfloat16, False)],
+    ids=["bf16", "fp32", "bf16-out-major-b"],
+)
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_lora_apply_matches_reference(name: str, dtype: torch.dtype, block_m: int | None, fused: bool) -> None:
+def test_lora_apply_matches_reference(
+    name: str, dtype: torch.dtype, rank_major: bool, block_m: int | None, fused: bool
+) -> None:
+    """B rank-major (the engine's layout, rows past each rank NaN: never read) and, still accepted, out-major."""
     from engine import lora_plan
 
     token_slots, slot_ranks, max_rank, k_dim, slice_sizes = SCENARIOS[name]
-    a, b, ranks, scalings = stacks(slot_ranks, max_rank, k_dim, slice_sizes, dtype)
+    a, b, ranks, scalings = stacks(slot_ranks, max_rank, k_dim, slice_sizes, dtype, rank_major)
     slots = torch.tensor(token_slots, dtype=torch.int32, device="cuda")
     x = torch.randn(len(token_slots), k_dim, device="cuda").to(dtype)
     y0 = torch.randn(len(token_slots), sum(slice_sizes), device="cuda").to(dtype)

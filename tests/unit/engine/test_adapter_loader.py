@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 from engine.adapter_loader import ProcessLoader, ThreadLoader
 from engine.adapters import AdapterError, read_spec
 from engine.lora import AdapterWeights, LoRAStacks
+from engine.pinned_arena import PinnedArena
 from engine.pool import AdapterPool
 from tests.unit.engine.test_pool import _poison
 from tests.unit.engine.tiny import TINY, write_adapter
@@ -25,11 +27,19 @@ def fused_layout():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def process_loaders(fused_layout) -> Iterator[dict[str, ProcessLoader]]:  # type: ignore[no-untyped-def]
+def shared_arena() -> Iterator[PinnedArena]:
+    arena = PinnedArena(64 * 4096, pin=False, page_bytes=4096, shared=True)
+    yield arena
+    arena.close()
+
+
+@pytest.fixture(scope="module")
+def process_loaders(fused_layout, shared_arena: PinnedArena) -> Iterator[dict[str, ProcessLoader]]:  # type: ignore[no-untyped-def]
     # Spawned workers import torch once each: share them across this module's tests.
     loaders = {
         "loose": ProcessLoader(torch.float32, None, workers=1),
         "packed": ProcessLoader(torch.float32, fused_layout, workers=1),
+        "shared": ProcessLoader(torch.float32, fused_layout, workers=1, arena=shared_arena),
     }
     yield loaders
     for loader in loaders.values():
@@ -47,7 +57,7 @@ def _same(a: AdapterWeights, b: AdapterWeights) -> None:
         torch.testing.assert_close(a.packed, b.packed, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("kind", ["loose", "packed"])
+@pytest.mark.parametrize("kind", ["loose", "packed", "shared"])
 def test_process_loader_returns_what_the_thread_loader_returns(
     kind: str,
     fused_layout,
@@ -55,14 +65,50 @@ def test_process_loader_returns_what_the_thread_loader_returns(
     tmp_path: Path,  # type: ignore[no-untyped-def]
 ) -> None:
     spec = read_spec(write_adapter(tmp_path / "a", rank=4, modules=ALL7, seed=3), TINY, 8)
-    threads = ThreadLoader(torch.float32, fused_layout if kind == "packed" else None)
+    threads = ThreadLoader(torch.float32, fused_layout if kind != "loose" else None)
     try:
         want = threads.submit(spec).result(30)
     finally:
         threads.close()
     got = process_loaders[kind].submit(spec).result(60)
-    assert (got.packed is not None) == (kind == "packed")
+    assert (got.packed is not None) == (kind != "loose")
     _same(got, want)
+
+
+def test_a_worker_writes_the_image_straight_into_the_shared_arena(
+    process_loaders: dict[str, ProcessLoader], shared_arena: PinnedArena, tmp_path: Path
+) -> None:
+    empty = shared_arena.free_pages
+    spec = read_spec(write_adapter(tmp_path / "a", rank=4, modules=ALL7, seed=5), TINY, 8)
+    got = process_loaders["shared"].submit(spec).result(60)
+    assert got.packed is not None
+    assert 0 <= shared_arena.offset(got.packed) < shared_arena.pages * shared_arena.page_bytes
+    assert shared_arena.free_pages < empty
+    assert shared_arena.give_back(got.packed)  # the engine process owns it, as an extent of its arena
+    assert shared_arena.free_pages == empty
+
+
+def test_a_failed_or_cancelled_load_into_the_shared_arena_gives_its_extent_back(
+    process_loaders: dict[str, ProcessLoader], shared_arena: PinnedArena, tmp_path: Path
+) -> None:
+    empty = shared_arena.free_pages
+    broken = read_spec(_poison(write_adapter(tmp_path / "bad"), float("nan")), TINY, 8)
+    error = process_loaders["shared"].submit(broken).exception(60)
+    assert isinstance(error, AdapterError) and "NaN or infinite" in str(error)
+    assert shared_arena.free_pages == empty
+    good = read_spec(write_adapter(tmp_path / "good"), TINY, 8)
+    futures = [process_loaders["shared"].submit(good) for _ in range(20)]
+    for future in futures:  # some are queued, some running, some done: every outcome must free its extent
+        future.cancel()
+    for future in futures:
+        if not future.cancelled():
+            weights = future.result(60)
+            assert weights.packed is not None
+            shared_arena.give_back(weights.packed)  # delivered: the pool's to give back
+    deadline = time.monotonic() + 60
+    while shared_arena.free_pages != empty and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert shared_arena.free_pages == empty
 
 
 def test_process_loader_reports_a_broken_adapter(process_loaders: dict[str, ProcessLoader], tmp_path: Path) -> None:

@@ -97,3 +97,12 @@ def _patch_config(folder: Path, **changes: object) -> None:
     config = json.loads(path.read_text())
     config.update(changes)
     path.write_text(json.dumps(config))
+
+
+def test_a_weights_file_truncated_after_registration_fails_its_load_only(tmp_path: Path) -> None:
+    folder = write_adapter(tmp_path / "cut")
+    spec = read_spec(folder, TINY, 16)
+    path = folder / "adapter_model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(AdapterError, match=r"cannot load adapter_model\.safetensors"):
+        load_adapter(spec, torch.float32, pin=False)

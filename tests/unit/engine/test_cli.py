@@ -29,3 +29,11 @@ def test_gil_switch_interval_flag() -> None:
     assert config_from(parser.parse_args(["--gil-switch-interval-ms", "0.5"])).gil_switch_interval_ms == 0.5
     with pytest.raises(ValueError, match="gil_switch_interval_ms"):
         config_from(parser.parse_args(["--gil-switch-interval-ms", "-1"])).validate()
+
+
+def test_pinned_adapter_memory_flag() -> None:
+    parser = build_parser()
+    assert config_from(parser.parse_args([])).pinned_adapter_memory_mb == 1024
+    assert config_from(parser.parse_args(["--pinned-adapter-memory-mb", "0"])).pinned_adapter_memory_mb == 0
+    with pytest.raises(ValueError, match="pinned_adapter_memory_mb"):
+        config_from(parser.parse_args(["--pinned-adapter-memory-mb", "-1"])).validate()

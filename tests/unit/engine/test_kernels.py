@@ -7,6 +7,7 @@ with the variable set (`test_triton_interpreted`), and are skipped in the parent
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -48,8 +49,13 @@ def make_case(
     slice_sizes: Sequence[int],
     token_slots: Sequence[int],
     seed: int,
+    rank_major: bool = True,
 ) -> Case:
-    """Random stacks honouring the layout contract: rows/columns past each slot's rank are zero."""
+    """Random stacks honouring the layout contract: rows/columns past each slot's rank are zero.
+
+    `rank_major` (the engine's layout): b_stack is the transposed view of a `[S, R, N]` store, whose rows past
+    each slot's rank hold NaN instead: the kernels must not read them (that is the bandwidth they save), and
+    the references never do. Else b_stack is a contiguous `[S, N, R]`, zero past each rank."""
     gen = torch.Generator().manual_seed(seed)
     num_slots, num_slices = len(slot_ranks), len(slice_sizes)
     a = torch.randn(num_slots, num_slices * max_rank, k_dim, generator=gen) / k_dim**0.5
@@ -57,12 +63,13 @@ def make_case(
     for s, r in enumerate(slot_ranks):
         for sl in range(num_slices):
             a[s, sl * max_rank + r : (sl + 1) * max_rank] = 0
-        b[s, :, r:] = 0
+        b[s, :, r:] = math.nan if rank_major else 0
+    b_stack = b.transpose(1, 2).contiguous().to(dtype).transpose(1, 2) if rank_major else b.to(dtype)
     return Case(
         x=torch.randn(len(token_slots), k_dim, generator=gen).to(dtype),
         y=torch.randn(len(token_slots), sum(slice_sizes), generator=gen).to(dtype),
         a_stack=a.to(dtype),
-        b_stack=b.to(dtype),
+        b_stack=b_stack,
         ranks=torch.tensor(slot_ranks, dtype=torch.int32),
         scalings=torch.rand(num_slots, generator=gen) + 0.5,
         token_slots=torch.tensor(token_slots, dtype=torch.int32),
@@ -112,8 +119,9 @@ CASES = {
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def case_for(name: str, dtype: torch.dtype, token_slots: Sequence[int] = MIXED_SLOTS) -> Case:
-    return make_case(dtype, token_slots=token_slots, seed=sorted(CASES).index(name), **CASES[name])  # type: ignore[arg-type]
+def case_for(name: str, dtype: torch.dtype, token_slots: Sequence[int] = MIXED_SLOTS, rank_major: bool = True) -> Case:
+    seed = sorted(CASES).index(name)
+    return make_case(dtype, token_slots=token_slots, seed=seed, rank_major=rank_major, **CASES[name])  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -252,6 +260,28 @@ def test_cpu_front_takes_the_latency_options() -> None:
     assert rel_err(y, expected_y(case)) < TOLERANCE[torch.float32]
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_b_stack_needs_a_contiguous_n_or_r_axis() -> None:
+    """Rank-major B (a transposed [S, R, N] store) and out-major B are taken; B with neither axis contiguous is
+    refused before any launch."""
+    from engine import kernels_fused, lora_plan
+    from engine import kernels_triton as kt
+
+    case = case_for("qkv-slices", torch.float32)
+    assert case.b_stack.stride(1) == 1 and kt.b_rank_major(case.b_stack)
+    assert not kt.b_rank_major(case_for("qkv-slices", torch.float32, rank_major=False).b_stack)
+    strided = torch.zeros(case.b_stack.shape[0], case.b_stack.shape[1], 2 * case.b_stack.shape[2])[:, :, ::2]
+    plan = lora_plan.plan_segments(case.token_slots, "cpu", block_m=16)
+    h = torch.zeros(case.x.shape[0], case.a_stack.shape[1])
+    sizes = case.slice_sizes
+    with pytest.raises(ValueError, match="contiguous N or R"):
+        kt.expand(case.y.clone(), h, strided, case.ranks, case.scalings, plan, slice_sizes=sizes)
+    with pytest.raises(ValueError, match="contiguous N or R"):
+        kernels_fused.fused(
+            case.y.clone(), case.x, case.a_stack, strided, case.ranks, case.scalings, plan, slice_sizes=sizes
+        )
+
+
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="parent process only; needs triton")
 def test_triton_interpreted() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -361,11 +391,12 @@ class TestInterpreted:
         per_sm: int,
         token_slots: list[int],
         options: dict[str, bool],
+        rank_major: bool = True,
     ) -> None:
         from engine import kernels_triton as kt
         from engine import lora_plan
 
-        case = case_for(name, dtype, token_slots)
+        case = case_for(name, dtype, token_slots, rank_major)
         tol = TOLERANCE[dtype]
         # Padding chunks must be no-ops; block_k 16 leaves a ragged K tail.
         num_chunks = 9 if block_m == 16 else len(token_slots) + 6
@@ -385,6 +416,16 @@ class TestInterpreted:
         untouched = (case.token_slots < 0) | (case.token_slots == 2)
         assert torch.equal(y[untouched], case.y[untouched])
 
+    # Out-major B (contiguous [S, N, R], R contiguous), still accepted: the last rank block is read to its end
+    # (zero by the layout) to keep loads wide along R; ranks 8..64 in R = 64 and 17 / 24 in R = 24.
+    @KERNEL_SHAPES
+    @pytest.mark.parametrize("options", [{}, {"pdl": True, "short_chain": True}], ids=["current", "both"])
+    @pytest.mark.parametrize("name", ["rank-64-mixed", "rank-24-stack"])
+    def test_out_major_b(
+        self, name: str, options: dict[str, bool], block_m: int, block_r: int, per_sm: int, token_slots: list[int]
+    ) -> None:
+        self.check_shrink_and_expand(name, torch.bfloat16, block_m, block_r, per_sm, token_slots, options, False)
+
     # fused (shrink + expand in one launch): loop = one program per (chunk, slice) over every K block and
     # column tile; adapt = few chunks in a large plan, so each unit's programs recompute h and split its tiles.
     @pytest.mark.parametrize(
@@ -392,12 +433,14 @@ class TestInterpreted:
         [(16, 1, MIXED_SLOTS), (16, 4, FEW_CHUNK_SLOTS), (1, 4, SHORT_SLOTS)],
         ids=["loop", "adapt", "token-adapt"],
     )
-    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    @pytest.mark.parametrize(("dtype", "rank_major"), [*((d, True) for d in DTYPES), (torch.bfloat16, False)])
     @pytest.mark.parametrize("name", sorted(CASES))
-    def test_fused(self, name: str, dtype: torch.dtype, block_m: int, per_sm: int, token_slots: list[int]) -> None:
+    def test_fused(
+        self, name: str, dtype: torch.dtype, rank_major: bool, block_m: int, per_sm: int, token_slots: list[int]
+    ) -> None:
         from engine import kernels_fused, lora_plan
 
-        case = case_for(name, dtype, token_slots)
+        case = case_for(name, dtype, token_slots, rank_major)
         num_chunks = 9 if block_m == 16 else len(token_slots) + 20
         plan = lora_plan.plan_segments(case.token_slots, "cpu", block_m=block_m, num_chunks=num_chunks)
         y = case.y.clone()

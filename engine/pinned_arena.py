@@ -1,0 +1,178 @@
+"""Page-locked host memory for adapter images, taken once at start-up and handed out in extents.
+
+A GPU slot fill copies an adapter's image from pinned host memory on a side stream. Pinning memory as
+adapters load (one `cudaHostAlloc` per new image) stalls the engine's step loop for milliseconds each
+time (bench/RESULTS-gpu.md, section d: warming torch's pinned cache first took 35-60% off the p99
+inter-token latency of other requests during cold loads). The arena pins one buffer when the engine
+starts; loads take extents of it and the pool gives them back when it drops an adapter from host memory.
+When the arena is full, callers fall back to ordinary pinned allocations.
+
+A shared arena lives in a named shared-memory segment, page-locked with `cudaHostRegister`: loader
+processes then write images straight into extents the engine hands them (`attach`), so a load costs the
+engine process no copy, no allocation and no per-tensor Python work.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+from multiprocessing import shared_memory
+from typing import Protocol
+
+import torch
+
+PAGE_BYTES = 1 << 20
+_SHM_DIR = "/dev/shm"
+
+
+class HostBuffers(Protocol):
+    """Where a load puts an adapter's host image: `take` a buffer (None: allocate one yourself) and
+    `give_back` one that was not kept."""
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None: ...
+
+    def give_back(self, tensor: torch.Tensor, stream: torch.cuda.Stream | None = None) -> bool: ...
+
+
+class PinnedArena:
+    """First-fit allocator of whole pages over one host buffer; thread-safe."""
+
+    def __init__(self, nbytes: int, pin: bool = True, page_bytes: int = PAGE_BYTES, shared: bool = False) -> None:
+        """`pin=False` gives ordinary memory (tests of the bookkeeping on machines without a GPU); `shared`
+        puts the arena in a named shared-memory segment (`name`) that loader processes `attach` to."""
+        self.page_bytes = page_bytes
+        self.pages = nbytes // page_bytes
+        size = self.pages * page_bytes
+        self._shm: shared_memory.SharedMemory | None = None
+        self._registered = False
+        if shared and size:
+            self._shm = shared_memory.SharedMemory(create=True, size=size)
+            self._buffer = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=size)
+            if pin:
+                _check_cuda(torch.cuda.cudart().cudaHostRegister(self._buffer.data_ptr(), size, 0), "register")
+                self._registered = True
+        else:
+            self._buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        self._free: list[tuple[int, int]] = [(0, self.pages)] if self.pages else []  # (first page, count)
+        self._taken: dict[int, tuple[int, int]] = {}  # data_ptr of a handed-out view -> its extent
+        self._pending: list[tuple[torch.cuda.Event | None, tuple[int, int]]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str | None:
+        """The shared-memory segment's name (None unless `shared`)."""
+        return None if self._shm is None else self._shm.name
+
+    def offset(self, view: torch.Tensor) -> int:
+        """Byte offset of a handed-out `view` in the arena."""
+        return view.data_ptr() - self._buffer.data_ptr()
+
+    def close(self) -> None:
+        """Unpin and remove a shared arena's segment (its memory goes once the last view of it dies)."""
+        if self._registered:
+            self._registered = False
+            torch.cuda.cudart().cudaHostUnregister(self._buffer.data_ptr())
+        if self._shm is not None:
+            self._shm.unlink()
+            self._shm = None
+
+    @property
+    def free_pages(self) -> int:
+        with self._lock:
+            self._reclaim()
+            return sum(count for _, count in self._free)
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A 1-D `dtype` tensor of `numel` elements in the arena, or None when no extent is large enough."""
+        nbytes = numel * dtype.itemsize
+        count = max(1, -(-nbytes // self.page_bytes))
+        with self._lock:
+            self._reclaim()
+            for i, (first, available) in enumerate(self._free):
+                if available < count:
+                    continue
+                if available == count:
+                    del self._free[i]
+                else:
+                    self._free[i] = (first + count, available - count)
+                start = first * self.page_bytes
+                view = self._buffer[start : start + nbytes].view(dtype)
+                self._taken[view.data_ptr()] = (first, count)
+                return view
+        return None
+
+    def give_back(self, tensor: torch.Tensor, stream: torch.cuda.Stream | None = None) -> bool:
+        """Return `tensor`'s extent (False if the arena did not hand it out). With `stream`, the extent is
+        reused only after the work queued on it so far has run: copies out of the tensor may be in flight.
+        """
+        with self._lock:
+            extent = self._taken.pop(tensor.data_ptr(), None)
+            if extent is None:
+                return False
+            event = None
+            if stream is not None:
+                event = torch.cuda.Event()
+                event.record(stream)
+            self._pending.append((event, extent))
+            return True
+
+    def _reclaim(self) -> None:
+        # Lock held: extents whose copies have run go back to the free list, merged with their neighbours.
+        still: list[tuple[torch.cuda.Event | None, tuple[int, int]]] = []
+        for event, extent in self._pending:
+            if event is not None and not event.query():
+                still.append((event, extent))
+                continue
+            i = bisect.bisect(self._free, extent)
+            self._free.insert(i, extent)
+            if i + 1 < len(self._free) and extent[0] + extent[1] == self._free[i + 1][0]:
+                self._free[i] = (extent[0], extent[1] + self._free.pop(i + 1)[1])
+            if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == self._free[i][0]:
+                self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free.pop(i)[1])
+        self._pending = still
+
+
+def shared_arena_fits(nbytes: int) -> bool:
+    """Whether the shared-memory filesystem has room for a shared arena of `nbytes` (containers often
+    give /dev/shm only 64 MiB; touching pages past its limit would kill the process with SIGBUS)."""
+    try:
+        stats = os.statvfs(_SHM_DIR)
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize >= nbytes
+
+
+def _check_cuda(code: object, what: str) -> None:
+    if int(code) != 0:  # type: ignore[call-overload]
+        raise RuntimeError(f"cudaHost{what.capitalize()} of the adapter arena failed with CUDA error {int(code)}")  # type: ignore[call-overload]
+
+
+_attached: dict[str, shared_memory.SharedMemory] = {}
+
+
+def attach(name: str, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """In a loader process: the extent at byte `offset` of shared arena `name`, as `numel` `dtype`s."""
+    shm = _attached.get(name)
+    if shm is None:
+        # Attaching registers the name with the resource tracker again: spawned workers share the engine
+        # process's tracker, whose set of names the engine's `close` (unlink) clears.
+        shm = shared_memory.SharedMemory(name=name)
+        _attached[name] = shm
+    count = numel * dtype.itemsize
+    return torch.frombuffer(shm.buf, dtype=torch.uint8, count=count, offset=offset).view(dtype)
+
+
+class GivenExtent:
+    """`HostBuffers` of exactly one buffer: a loader process packs into the extent it was handed."""
+
+    def __init__(self, extent: torch.Tensor) -> None:
+        self._extent = extent
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        if numel != self._extent.numel() or dtype != self._extent.dtype:
+            raise ValueError(f"image of {numel} {dtype} does not fit the extent handed out for it")
+        return self._extent
+
+    def give_back(self, tensor: torch.Tensor, stream: torch.cuda.Stream | None = None) -> bool:
+        return False  # the engine process owns the extent and gives it back

@@ -1,0 +1,131 @@
+"""The pinned arena's bookkeeping (ordinary memory here: no GPU), and the pool giving images back to it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.adapters import AdapterSpec, load_adapter
+from engine.lora import AdapterWeights, LoRAStacks, SlotLayout
+from engine.pinned_arena import PinnedArena
+from engine.pool import AdapterPool
+from tests.unit.engine.tiny import TINY, write_adapter
+
+PAGE = 1024
+
+
+def test_extents_are_disjoint_typed_views_and_full_means_none() -> None:
+    arena = PinnedArena(4 * PAGE, pin=False, page_bytes=PAGE)
+    a = arena.take(100, torch.float32)  # 400 bytes: one page
+    b = arena.take(600, torch.bfloat16)  # 1200 bytes: two pages
+    assert a is not None and b is not None
+    assert (a.dtype, a.numel(), b.dtype, b.numel()) == (torch.float32, 100, torch.bfloat16, 600)
+    a.fill_(1.0)
+    b.fill_(2.0)
+    assert bool((a == 1.0).all()) and bool((b == 2.0).all())  # no overlap
+    assert arena.free_pages == 1
+    assert arena.take(2 * PAGE, torch.uint8) is None  # no room: the caller falls back
+    assert arena.give_back(torch.empty(4)) is False  # not handed out by this arena
+
+
+def test_given_back_extents_merge_so_a_large_image_fits_again() -> None:
+    arena = PinnedArena(6 * PAGE, pin=False, page_bytes=PAGE)
+    first, middle, last = (arena.take(2 * PAGE, torch.uint8) for _ in range(3))
+    assert first is not None and middle is not None and last is not None
+    assert arena.take(1, torch.uint8) is None
+    for extent in (first, last, middle):  # the middle one last: it must join both neighbours
+        assert arena.give_back(extent)
+    assert arena.free_pages == 6
+    whole = arena.take(6 * PAGE, torch.uint8)
+    assert whole is not None and whole.numel() == 6 * PAGE
+
+
+class _ArenaLoader:
+    """Loads on a thread into `arena`, as loader processes load into a shared one (a `gate` holds loads)."""
+
+    def __init__(self, layout: SlotLayout, arena: PinnedArena) -> None:
+        self.layout, self.arena = layout, arena
+        self.gate: threading.Event | None = None
+        self.started = threading.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1)
+
+    def submit(self, spec: AdapterSpec) -> Future[AdapterWeights]:
+        return self._executor.submit(self._load, spec)
+
+    def _load(self, spec: AdapterSpec) -> AdapterWeights:
+        self.started.set()
+        if self.gate is not None:
+            self.gate.wait(10)
+        return load_adapter(spec, torch.float32, pin=False, layout=self.layout, arena=self.arena)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+@pytest.fixture
+def arena_pool() -> Iterator[tuple[AdapterPool, PinnedArena, _ArenaLoader]]:
+    stacks = LoRAStacks(TINY, slots=1, max_rank=8, dtype=torch.float32, device=torch.device("cpu"), fused=True)
+    arena = PinnedArena(64 * PAGE, pin=False, page_bytes=PAGE)
+    assert stacks.layout is not None
+    loader = _ArenaLoader(stacks.layout, arena)
+    pool = AdapterPool(TINY, stacks, torch.float32, host_capacity=1, loader=loader, arena=arena)
+    yield pool, arena, loader
+    pool.close()
+
+
+def test_the_pool_loads_into_the_arena_and_gives_images_back_when_it_drops_them(
+    arena_pool: tuple[AdapterPool, PinnedArena, _ArenaLoader], tmp_path: Path
+) -> None:
+    pool, arena, _ = arena_pool
+    empty = arena.free_pages
+    a = pool.register("a", write_adapter(tmp_path / "a", seed=1))
+    pool.wait_loaded(a, timeout=10)
+    assert a.weights is not None and a.weights.packed is not None
+    held = arena.free_pages
+    assert held < empty  # the image lives in the arena
+    b = pool.register("b", write_adapter(tmp_path / "b", seed=2))
+    pool.wait_loaded(b, timeout=10)
+    assert a.weights is None  # host capacity 1: a was dropped from host memory...
+    assert arena.free_pages == held  # ...and its extent reused by b's image
+    assert pool.unregister("b")
+    assert arena.free_pages == empty
+
+
+def test_a_version_unloaded_while_it_loads_is_dropped_when_the_load_ends(
+    arena_pool: tuple[AdapterPool, PinnedArena, _ArenaLoader], tmp_path: Path
+) -> None:
+    """Its weights used to stay in host memory for good: nobody could use or free them."""
+    pool, arena, loader = arena_pool
+    empty = arena.free_pages
+    loader.gate = threading.Event()
+    version = pool.register("a", write_adapter(tmp_path / "a", seed=1))
+    assert loader.started.wait(10)  # the load is running: it cannot be cancelled
+    assert pool.unregister("a")
+    loader.gate.set()
+    version.settled.wait(10)
+    assert version.retired and version.weights is None
+    assert arena.free_pages == empty
+
+
+def test_a_shared_arena_is_one_segment_that_attached_views_write_into() -> None:
+    from engine.pinned_arena import attach
+
+    arena = PinnedArena(4 * PAGE, pin=False, page_bytes=PAGE, shared=True)
+    assert arena.name is not None and Path("/dev/shm", arena.name).exists()
+    extent = arena.take(300, torch.float32)
+    assert extent is not None
+    view = attach(arena.name, arena.offset(extent), 300, torch.float32)  # what a loader process does
+    view.copy_(torch.arange(300, dtype=torch.float32))
+    assert torch.equal(extent, torch.arange(300, dtype=torch.float32))
+    name = arena.name
+    arena.close()
+    assert not Path("/dev/shm", name).exists()
+
+
+def test_an_ordinary_arena_has_no_segment() -> None:
+    assert PinnedArena(2 * PAGE, pin=False, page_bytes=PAGE).name is None
