@@ -72,6 +72,7 @@ class PinnedArena:
         """Unpin and remove a shared arena's segment (its memory goes once the last view of it dies)."""
         if self._registered:
             self._registered = False
+            torch.cuda.synchronize()  # copies out of the arena may still be queued on some stream
             torch.cuda.cudart().cudaHostUnregister(self._buffer.data_ptr())
         if self._shm is not None:
             self._shm.unlink()
