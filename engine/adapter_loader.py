@@ -11,17 +11,22 @@ when a GPU will read it.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
 from engine.adapters import AdapterSpec, host_copy, load_adapter
 from engine.lora import AdapterWeights, SlotLayout, image_groups
 from engine.pinned_arena import GivenExtent, PinnedArena, attach
+
+log = logging.getLogger("engine.adapter_loader")
+T = TypeVar("T")
 
 
 class AdapterLoader(Protocol):
@@ -64,9 +69,24 @@ class ProcessLoader:
     ) -> None:
         self._dtype, self._layout, self._arena = dtype, layout, arena
         self._pin = torch.cuda.is_available()
+        self._workers = workers
+        self._executor = self._start_workers()
+
+    def _start_workers(self) -> ProcessPoolExecutor:
         # spawn, not fork: the engine process may hold CUDA state and threads a forked child cannot use.
         context = multiprocessing.get_context("spawn")
-        self._executor = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_worker_init)
+        return ProcessPoolExecutor(max_workers=self._workers, mp_context=context, initializer=_worker_init)
+
+    def _run(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        """`fn(*args)` in a worker. A worker that died (killed, out of memory) breaks the whole pool: its
+        loads in flight fail with BrokenProcessPool, and the next load starts new workers."""
+        try:
+            return self._executor.submit(fn, *args)
+        except BrokenProcessPool:
+            log.warning("adapter loader processes died: starting new ones")
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = self._start_workers()
+            return self._executor.submit(fn, *args)
 
     def submit(self, spec: AdapterSpec) -> Future[AdapterWeights]:
         outer: Future[AdapterWeights] = Future()
@@ -74,11 +94,15 @@ class ProcessLoader:
         if extent is not None:
             assert self._arena is not None and self._arena.name is not None and self._layout is not None
             args = (spec, self._dtype, self._layout, self._arena.name, self._arena.offset(extent))
-            into: Future[PackedInfo] = self._executor.submit(read_into_arena, *args)
+            try:
+                into = self._run(read_into_arena, *args)
+            except Exception:
+                self._arena.give_back(extent)
+                raise
             outer.add_done_callback(lambda f: into.cancel() if f.cancelled() else None)
             into.add_done_callback(_settle_in_arena(outer, extent, self._arena))
             return outer
-        inner = self._executor.submit(read_adapter, spec, self._dtype, self._layout, False)
+        inner = self._run(read_adapter, spec, self._dtype, self._layout, False)
         outer.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
         inner.add_done_callback(_settle(outer, self._pin, self._arena))
         return outer

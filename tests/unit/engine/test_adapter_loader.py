@@ -137,3 +137,24 @@ def test_pool_with_a_process_loader_loads_and_hot_swaps(tmp_path: Path) -> None:
         assert pool.lookup("x") is new and old.retired
     finally:
         pool.close()
+
+
+def test_loads_work_again_after_the_worker_processes_died(tmp_path: Path) -> None:
+    """A killed worker breaks the whole process pool; loads must not fail from then on."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    loader = ProcessLoader(torch.float32, None, workers=1)
+    try:
+        spec = read_spec(write_adapter(tmp_path / "a"), TINY, 8)
+        loader.submit(spec).result(60)
+        for process in list(loader._executor._processes.values()):  # type: ignore[attr-defined]
+            process.kill()
+        for _ in range(3):  # a load that meets the dying pool fails with a clear error, the next one works
+            error = loader.submit(spec).exception(60)
+            if error is None:
+                break
+            assert isinstance(error, BrokenProcessPool)
+        else:
+            pytest.fail("loads kept failing after the workers died")
+    finally:
+        loader.close()
