@@ -62,7 +62,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="loading-"))
     layout = LoRAStacks(SMOLLM2, 1, 16, torch.bfloat16, torch.device("cpu"), fused=True).layout
     # The arena is page-locked only where a GPU engine would pin it.
-    arena = PinnedArena(512 << 20, pin=torch.cuda.is_available(), shared=True)
+    arena = PinnedArena(512 << 20, pin=torch.cuda.is_available())
     loaders: dict[str, AdapterLoader] = {
         "threads": ThreadLoader(torch.bfloat16, layout),
         "processes": ProcessLoader(torch.bfloat16, layout),

@@ -3,7 +3,7 @@
 Reading an adapter (safetensors parse, dtype conversion, packing into the slot layout) holds the GIL for
 milliseconds at a time. On a thread of the engine process that stalls the step loop, which is bound by
 Python on a GPU (bench/RESULTS-gpu.md). `ProcessLoader` does the work in spawned worker processes. With a shared
-arena (`PinnedArena(shared=True)`, page-locked shared memory) a worker writes the slot image straight into
+arena (`PinnedArena`, page-locked shared memory) a worker writes the slot image straight into
 an extent the engine handed it, and only a few numbers come back. Without one (or when it is full), the
 result comes back through torch's shared memory and the engine process copies it out, into pinned memory
 when a GPU will read it.
@@ -92,7 +92,7 @@ class ProcessLoader:
         outer: Future[AdapterWeights] = Future()
         extent = self._extent_for(spec)
         if extent is not None:
-            assert self._arena is not None and self._arena.name is not None and self._layout is not None
+            assert self._arena is not None and self._layout is not None
             args = (spec, self._dtype, self._layout, self._arena.name, self._arena.offset(extent))
             try:
                 into = self._run(read_into_arena, *args)
@@ -109,7 +109,7 @@ class ProcessLoader:
 
     def _extent_for(self, spec: AdapterSpec) -> torch.Tensor | None:
         """An extent of the shared arena for `spec`'s slot image, if there is one and it has room."""
-        if self._arena is None or self._arena.name is None or self._layout is None:
+        if self._arena is None or self._layout is None:
             return None
         return self._arena.take(self._layout.image_size(image_groups(spec.modules), spec.rank), self._dtype)
 

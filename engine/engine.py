@@ -143,7 +143,7 @@ class LLMEngine:
         if not shared_arena_fits(megabytes << 20):
             log.warning("/dev/shm has no room for a %d MiB adapter arena: loader processes copy results", megabytes)
             return None
-        return PinnedArena(megabytes << 20, shared=True)
+        return PinnedArena(megabytes << 20)
 
     def _kv_slots(self) -> int:
         """KV slots: `max_num_seqs`, fewer on a GPU whose free memory cannot hold them."""

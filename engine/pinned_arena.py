@@ -1,4 +1,4 @@
-"""Page-locked host memory for adapter images, taken once at start-up and handed out in extents.
+"""Page-locked shared memory for adapter images, taken once at start-up and handed out in extents.
 
 A GPU slot fill copies an adapter's image from pinned host memory on a side stream. Pinning memory as
 adapters load (one `cudaHostAlloc` per new image) stalls the engine's step loop for milliseconds each
@@ -7,9 +7,9 @@ inter-token latency of other requests during cold loads). The arena pins one buf
 starts; loads take extents of it and the pool gives them back when it drops an adapter from host memory.
 When the arena is full, callers fall back to ordinary pinned allocations.
 
-A shared arena lives in a named shared-memory segment, page-locked with `cudaHostRegister`: loader
-processes then write images straight into extents the engine hands them (`attach`), so a load costs the
-engine process no copy, no allocation and no per-tensor Python work.
+The arena is a named shared-memory segment, page-locked with `cudaHostRegister`: loader processes write
+images straight into extents the engine hands them (`attach`), so a load costs the engine process no copy,
+no allocation and no per-tensor Python work.
 """
 
 from __future__ import annotations
@@ -38,38 +38,32 @@ class HostBuffers(Protocol):
 class PinnedArena:
     """First-fit allocator of whole pages over one host buffer; thread-safe."""
 
-    def __init__(self, nbytes: int, pin: bool = True, page_bytes: int = PAGE_BYTES, shared: bool = False) -> None:
-        """`pin=False` gives ordinary memory (tests of the bookkeeping on machines without a GPU); `shared`
-        puts the arena in a named shared-memory segment (`name`) that loader processes `attach` to."""
+    def __init__(self, nbytes: int, pin: bool = True, page_bytes: int = PAGE_BYTES) -> None:
+        """The arena is a named shared-memory segment (`name`) that loader processes `attach` to; `pin=False`
+        leaves it pageable (tests of the bookkeeping on machines without a GPU)."""
         self.page_bytes = page_bytes
         self.pages = nbytes // page_bytes
         size = self.pages * page_bytes
-        self._shm: shared_memory.SharedMemory | None = None
+        self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(create=True, size=size)
+        self.name = self._shm.name
+        self._buffer = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=size)
         self._registered = False
-        if shared and size:
-            self._shm = shared_memory.SharedMemory(create=True, size=size)
-            self._buffer = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=size)
-            if pin:
-                _check_cuda(torch.cuda.cudart().cudaHostRegister(self._buffer.data_ptr(), size, 0), "register")
-                self._registered = True
-        else:
-            self._buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        if pin:
+            code = int(torch.cuda.cudart().cudaHostRegister(self._buffer.data_ptr(), size, 0))
+            if code != 0:
+                raise RuntimeError(f"cudaHostRegister of the adapter arena failed with CUDA error {code}")
+            self._registered = True
         self._free: list[tuple[int, int]] = [(0, self.pages)] if self.pages else []  # (first page, count)
         self._taken: dict[int, tuple[int, int]] = {}  # data_ptr of a handed-out view -> its extent
         self._pending: list[tuple[torch.cuda.Event | None, tuple[int, int]]] = []
         self._lock = threading.Lock()
-
-    @property
-    def name(self) -> str | None:
-        """The shared-memory segment's name (None unless `shared`)."""
-        return None if self._shm is None else self._shm.name
 
     def offset(self, view: torch.Tensor) -> int:
         """Byte offset of a handed-out `view` in the arena."""
         return view.data_ptr() - self._buffer.data_ptr()
 
     def close(self) -> None:
-        """Unpin and remove a shared arena's segment (its memory goes once the last view of it dies)."""
+        """Unpin and remove the arena's segment (its memory goes once the last view of it dies)."""
         if self._registered:
             self._registered = False
             torch.cuda.synchronize()  # copies out of the arena may still be queued on some stream
@@ -142,11 +136,6 @@ def shared_arena_fits(nbytes: int) -> bool:
     except OSError:
         return False
     return stats.f_bavail * stats.f_frsize >= nbytes
-
-
-def _check_cuda(code: object, what: str) -> None:
-    if int(code) != 0:  # type: ignore[call-overload]
-        raise RuntimeError(f"cudaHost{what.capitalize()} of the adapter arena failed with CUDA error {int(code)}")  # type: ignore[call-overload]
 
 
 _attached: dict[str, shared_memory.SharedMemory] = {}

@@ -28,7 +28,7 @@ def fused_layout():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def shared_arena() -> Iterator[PinnedArena]:
-    arena = PinnedArena(64 * 4096, pin=False, page_bytes=4096, shared=True)
+    arena = PinnedArena(64 * 4096, pin=False, page_bytes=4096)
     yield arena
     arena.close()
 

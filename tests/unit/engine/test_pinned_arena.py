@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,8 +19,22 @@ from tests.unit.engine.tiny import TINY, write_adapter
 PAGE = 1024
 
 
-def test_extents_are_disjoint_typed_views_and_full_means_none() -> None:
-    arena = PinnedArena(4 * PAGE, pin=False, page_bytes=PAGE)
+@pytest.fixture
+def make_arena() -> Iterator[Callable[[int], PinnedArena]]:
+    """Arenas of a number of pages (pageable here), whose segments are removed after the test."""
+    arenas: list[PinnedArena] = []
+
+    def make(pages: int) -> PinnedArena:
+        arenas.append(PinnedArena(pages * PAGE, pin=False, page_bytes=PAGE))
+        return arenas[-1]
+
+    yield make
+    for arena in arenas:
+        arena.close()
+
+
+def test_extents_are_disjoint_typed_views_and_full_means_none(make_arena: Callable[[int], PinnedArena]) -> None:
+    arena = make_arena(4)
     a = arena.take(100, torch.float32)  # 400 bytes: one page
     b = arena.take(600, torch.bfloat16)  # 1200 bytes: two pages
     assert a is not None and b is not None
@@ -33,8 +47,8 @@ def test_extents_are_disjoint_typed_views_and_full_means_none() -> None:
     assert arena.give_back(torch.empty(4)) is False  # not handed out by this arena
 
 
-def test_given_back_extents_merge_so_a_large_image_fits_again() -> None:
-    arena = PinnedArena(6 * PAGE, pin=False, page_bytes=PAGE)
+def test_given_back_extents_merge_so_a_large_image_fits_again(make_arena: Callable[[int], PinnedArena]) -> None:
+    arena = make_arena(6)
     first, middle, last = (arena.take(2 * PAGE, torch.uint8) for _ in range(3))
     assert first is not None and middle is not None and last is not None
     assert arena.take(1, torch.uint8) is None
@@ -76,6 +90,7 @@ def arena_pool() -> Iterator[tuple[AdapterPool, PinnedArena, _ArenaLoader]]:
     pool = AdapterPool(TINY, stacks, torch.float32, host_capacity=1, loader=loader, arena=arena)
     yield pool, arena, loader
     pool.close()
+    arena.close()
 
 
 def test_the_pool_loads_into_the_arena_and_gives_images_back_when_it_drops_them(
@@ -115,8 +130,8 @@ def test_a_version_unloaded_while_it_loads_is_dropped_when_the_load_ends(
 def test_a_shared_arena_is_one_segment_that_attached_views_write_into() -> None:
     from engine.pinned_arena import attach
 
-    arena = PinnedArena(4 * PAGE, pin=False, page_bytes=PAGE, shared=True)
-    assert arena.name is not None and Path("/dev/shm", arena.name).exists()
+    arena = PinnedArena(4 * PAGE, pin=False, page_bytes=PAGE)
+    assert Path("/dev/shm", arena.name).exists()
     extent = arena.take(300, torch.float32)
     assert extent is not None
     view = attach(arena.name, arena.offset(extent), 300, torch.float32)  # what a loader process does
@@ -125,7 +140,3 @@ def test_a_shared_arena_is_one_segment_that_attached_views_write_into() -> None:
     name = arena.name
     arena.close()
     assert not Path("/dev/shm", name).exists()
-
-
-def test_an_ordinary_arena_has_no_segment() -> None:
-    assert PinnedArena(2 * PAGE, pin=False, page_bytes=PAGE).name is None
