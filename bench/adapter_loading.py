@@ -9,6 +9,10 @@ engine's `ThreadLoader`, its `ProcessLoader` handing results back, and its `Proc
 shared arena (a GPU engine's default), packed into the slot layout like a GPU engine's loads. It prints the
 longest and p99 gap between loop iterations in each phase; the ratios in the summary compare phases of the
 same rounds.
+
+Then the time of one load on its own (what a hot swap waits for), into the shared arena: split over
+`--workers` loader processes by layers (the engine's way) against one process doing the whole adapter,
+alternating, side by side.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 
 from engine.adapter_loader import AdapterLoader, ProcessLoader, ThreadLoader
 from engine.adapters import read_spec
-from engine.config import ModelArch
+from engine.config import EngineConfig, ModelArch
 from engine.lora import LoRAStacks
 from engine.pinned_arena import PinnedArena
 from tests.unit.engine.tiny import write_adapter
@@ -57,6 +61,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=EngineConfig().loader_workers(), help="default: the engine's")
+    ap.add_argument("--single-loads", type=int, default=20, help="loads timed one at a time, per loader")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="loading-"))
@@ -66,7 +72,7 @@ def main() -> None:
     loaders: dict[str, AdapterLoader] = {
         "threads": ThreadLoader(torch.bfloat16, layout),
         "processes": ProcessLoader(torch.bfloat16, layout),
-        "shared": ProcessLoader(torch.bfloat16, layout, arena=arena),
+        "shared": ProcessLoader(torch.bfloat16, layout, args.workers, arena),
     }
     phases = ("idle", *loaders)
     seed = 0
@@ -104,6 +110,15 @@ def main() -> None:
                 f"median {statistics.median(gaps) * 1e3:.2f} ms",
                 flush=True,
             )
+    whole = ProcessLoader(torch.bfloat16, layout, 1, arena)
+    load_all(whole, specs(2))
+    single: dict[str, list[float]] = {"split": [], "whole": []}
+    for spec in specs(args.single_loads):  # the same file for both, alternating: one in the page cache
+        for name, loader in (("split", loaders["shared"]), ("whole", whole)):
+            start = time.perf_counter()
+            load_all(loader, [spec])
+            single[name].append(time.perf_counter() - start)
+    whole.close()
     for loader in loaders.values():
         loader.close()
     arena.close()
@@ -119,6 +134,11 @@ def main() -> None:
         f"step-loop stall while {args.adapters} adapters load (median of {args.rounds} rounds): longest gap {longest}"
     )
     print(f"  {ratios}")
+    split, one = med(single["split"]), med(single["whole"])
+    print(
+        f"one load on its own (median of {args.single_loads}): split over {args.workers} processes by layers "
+        f"{split * 1e3:.1f} ms, one process {one * 1e3:.1f} ms: {split / one:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -3,27 +3,29 @@
 Reading an adapter (safetensors parse, dtype conversion, packing into the slot layout) holds the GIL for
 milliseconds at a time. On a thread of the engine process that stalls the step loop, which is bound by
 Python on a GPU (bench/RESULTS-gpu.md). `ProcessLoader` does the work in spawned worker processes. With a shared
-arena (`PinnedArena`, page-locked shared memory) a worker writes the slot image straight into
-an extent the engine handed it, and only a few numbers come back. Without one (or when it is full), the
+arena (`PinnedArena`, page-locked shared memory) the workers write the slot image straight into
+an extent the engine handed out, each worker its own share of the layers side by side, and nothing but
+their outcome comes back. Without one (or when it is full), the
 result comes back through torch's shared memory and the engine process copies it out, into pinned memory
 when a GPU will read it.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import torch
 
-from engine.adapters import AdapterSpec, host_copy, load_adapter
+from engine.adapters import AdapterSpec, host_copy, load_adapter, load_layers_into
 from engine.lora import AdapterWeights, SlotLayout, image_groups
-from engine.pinned_arena import GivenExtent, PinnedArena, attach
+from engine.pinned_arena import PinnedArena, attach
 
 log = logging.getLogger("engine.adapter_loader")
 T = TypeVar("T")
@@ -61,12 +63,18 @@ def _worker_init() -> None:
     torch.set_num_threads(1)  # one adapter per worker; leave the cores to the engine
 
 
+def _started() -> None:
+    """A task that only makes the pool start a worker (its import of torch is the slow part)."""
+
+
 class ProcessLoader:
-    """Loads in spawned worker processes (started on first use; each imports torch once)."""
+    """Loads in spawned worker processes, started with the loader in the background (each imports torch
+    once, for a second or more, which the first cold load would otherwise wait for)."""
 
     def __init__(
         self, dtype: torch.dtype, layout: SlotLayout | None, workers: int = 2, arena: PinnedArena | None = None
     ) -> None:
+        """With `arena` (and fused stacks' `layout`), one load is split over all `workers`, by layers."""
         self._dtype, self._layout, self._arena = dtype, layout, arena
         self._pin = torch.cuda.is_available()
         self._workers = workers
@@ -75,7 +83,10 @@ class ProcessLoader:
     def _start_workers(self) -> ProcessPoolExecutor:
         # spawn, not fork: the engine process may hold CUDA state and threads a forked child cannot use.
         context = multiprocessing.get_context("spawn")
-        return ProcessPoolExecutor(max_workers=self._workers, mp_context=context, initializer=_worker_init)
+        executor = ProcessPoolExecutor(max_workers=self._workers, mp_context=context, initializer=_worker_init)
+        for _ in range(self._workers):  # the pool starts one more worker per task while none is idle
+            executor.submit(_started)
+        return executor
 
     def _run(self, fn: Callable[..., T], *args: object) -> Future[T]:
         """`fn(*args)` in a worker. A worker that died (killed, out of memory) breaks the whole pool: its
@@ -93,14 +104,20 @@ class ProcessLoader:
         extent = self._extent_for(spec)
         if extent is not None:
             assert self._arena is not None and self._layout is not None
-            args = (spec, self._dtype, self._layout, self._arena.name, self._arena.offset(extent))
-            try:
-                into = self._run(read_into_arena, *args)
-            except Exception:
-                self._arena.give_back(extent)
-                raise
-            outer.add_done_callback(lambda f: into.cancel() if f.cancelled() else None)
-            into.add_done_callback(_settle_in_arena(outer, extent, self._arena))
+            offset = self._arena.offset(extent)
+            parts: list[Future[None]] = []
+            for layers in layer_parts(self._layout.num_layers, self._workers):
+                try:
+                    parts.append(
+                        self._run(fill_layers, spec, self._dtype, self._layout, self._arena.name, offset, layers)
+                    )
+                except Exception as exc:  # no workers could start: the parts already queued are cancelled
+                    failed: Future[None] = Future()
+                    failed.set_exception(exc)
+                    parts.append(failed)
+                    break
+            image = AdapterWeights(spec.rank, spec.scaling, spec.modules, {}, extent, image_groups(spec.modules))
+            _settle_parts(outer, parts, image, self._arena)
             return outer
         inner = self._run(read_adapter, spec, self._dtype, self._layout, False)
         outer.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
@@ -117,46 +134,53 @@ class ProcessLoader:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-@dataclass(frozen=True, slots=True)
-class PackedInfo:
-    """What a loader process reports about an image it wrote into the shared arena."""
-
-    rank: int
-    scaling: float
-    modules: frozenset[str]
-    groups: tuple[str, ...]
+def layer_parts(num_layers: int, parts: int) -> list[range]:
+    """`num_layers` split into at most `parts` contiguous ranges of near-equal length."""
+    parts = max(1, min(parts, num_layers))
+    bounds = [num_layers * i // parts for i in range(parts + 1)]
+    return [range(lo, hi) for lo, hi in itertools.pairwise(bounds)]
 
 
-def read_into_arena(spec: AdapterSpec, dtype: torch.dtype, layout: SlotLayout, arena: str, offset: int) -> PackedInfo:
-    """In a loader process: disk -> the slot image at byte `offset` of shared arena `arena`."""
+def fill_layers(
+    spec: AdapterSpec, dtype: torch.dtype, layout: SlotLayout, arena: str, offset: int, layers: range
+) -> None:
+    """In a loader process: `layers` of `spec`'s slot image, written into it at byte `offset` of shared arena
+    `arena` (`load_layers_into`)."""
     groups = image_groups(spec.modules)
-    extent = attach(arena, offset, layout.image_size(groups, spec.rank), dtype)
-    weights = load_adapter(spec, dtype, pin=False, layout=layout, arena=GivenExtent(extent))
-    assert weights.packed_groups == groups
-    return PackedInfo(weights.rank, weights.scaling, weights.modules, groups)
+    image = attach(arena, offset, layout.image_size(groups, spec.rank), dtype)
+    load_layers_into(spec, dtype, layout, image, layers)
 
 
-def _settle_in_arena(
-    outer: Future[AdapterWeights], extent: torch.Tensor, arena: PinnedArena
-) -> Callable[[Future[PackedInfo]], None]:
-    # The extent goes back to the arena on every outcome but a delivered result (no copy has read it).
-    def done(inner: Future[PackedInfo]) -> None:
-        if outer.cancelled() or inner.cancelled():
-            arena.give_back(extent)
+def _settle_parts(
+    outer: Future[AdapterWeights], parts: list[Future[None]], image: AdapterWeights, arena: PinnedArena
+) -> None:
+    """Resolve `outer` with `image` once every part has filled its layers. The image's extent goes back to
+    the arena on every other outcome, but only after the last part has ended: until then a worker may still
+    write into it. Cancelling `outer` cancels the parts not yet started."""
+    lock = threading.Lock()
+    pending = [len(parts)]
+
+    def part_done(_: Future[None]) -> None:
+        with lock:
+            pending[0] -= 1
+            if pending[0]:
+                return
+        assert image.packed is not None
+        failure = next((p.exception() for p in parts if not p.cancelled() and p.exception() is not None), None)
+        if failure is None and not any(p.cancelled() for p in parts) and outer.set_running_or_notify_cancel():
+            outer.set_result(image)
+            return
+        arena.give_back(image.packed)
+        if outer.done():
+            return
+        if failure is not None:
+            outer.set_exception(failure)
+        else:
             outer.cancel()
-            return
-        exc = inner.exception()
-        if exc is not None:
-            arena.give_back(extent)
-            outer.set_exception(exc)
-            return
-        info = inner.result()
-        if not outer.set_running_or_notify_cancel():
-            arena.give_back(extent)
-            return
-        outer.set_result(AdapterWeights(info.rank, info.scaling, info.modules, {}, extent, info.groups))
 
-    return done
+    outer.add_done_callback(lambda f: [p.cancel() for p in parts] if f.cancelled() else None)
+    for part in parts:
+        part.add_done_callback(part_done)
 
 
 def _settle(

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from engine.config import LORA_MODULES, ModelArch
-from engine.lora import AdapterWeights, SlotLayout, pack_adapter
+from engine.lora import AdapterWeights, SlotLayout, image_groups, pack_adapter, pack_layers
 from engine.pinned_arena import HostBuffers
 
 CONFIG_FILE = "adapter_config.json"
@@ -138,17 +138,7 @@ def load_adapter(
         raw = load((spec.path / WEIGHTS_FILE).read_bytes())
     except (SafetensorError, OSError) as exc:
         raise AdapterError(f"{spec.path}: cannot load {WEIGHTS_FILE} ({exc})") from exc
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for name, tensor in raw.items():
-        match = _KEY.match(name)
-        if match is None:
-            raise AdapterError(f"{spec.path}: unsupported tensor {name!r}")
-        halves.setdefault((int(match[1]), match[2]), {})[match[3]] = tensor
-    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-    for key, pair in halves.items():
-        if set(pair) != {"A", "B"}:
-            raise AdapterError(f"{spec.path}: layer {key[0]} {key[1]} lacks lora_{'B' if 'A' in pair else 'A'}")
-        tensors[key] = (pair["A"], pair["B"])
+    tensors = _pairs(spec.path, raw)
     pin = torch.cuda.is_available() if pin is None else pin
     # The conversion to `dtype` happens in the one copy into the final buffer, which is checked as a whole
     # (values finite in the file can overflow in a narrower dtype); the culprit is looked for only on failure.
@@ -163,12 +153,7 @@ def load_adapter(
     if not _all_finite(flat):
         if arena is not None:
             arena.give_back(flat)  # never copied anywhere: reusable at once
-        name = next(
-            f"{key[1]} of layer {key[0]}"
-            for key, pair in tensors.items()
-            if not all(t.to(dtype).isfinite().all() for t in pair)
-        )
-        raise AdapterError(f"{spec.path}: {name} contains NaN or infinite values (in {dtype})")
+        raise AdapterError(f"{spec.path}: {_non_finite(tensors, dtype)} contains NaN or infinite values (in {dtype})")
     return weights
 
 
@@ -179,6 +164,73 @@ def _all_finite(values: torch.Tensor) -> bool:
         return True
     low, high = torch.aminmax(values)
     return bool(torch.isfinite(low) and torch.isfinite(high))
+
+
+def load_layers_into(
+    spec: AdapterSpec, dtype: torch.dtype, layout: SlotLayout, image: torch.Tensor, layers: range
+) -> None:
+    """In a loader process: write `layers` of the adapter into `image`, its whole slot image (`layout`, at
+    `spec.rank`, for the groups of `spec.modules`), converted to `dtype` and checked finite; AdapterError
+    if the file is broken or no longer matches `spec`.
+
+    Several loader processes fill one image side by side, each its own layers, reading only their tensors
+    from the memory-mapped file. A file truncated under the map kills its reader with SIGBUS: a loader
+    process may die (the next load starts new ones), the engine process must not, so its threads use
+    `load_adapter`.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = spec.path / WEIGHTS_FILE
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            wanted = [key for key in f.keys() if _layer_of(spec.path, key, layout.num_layers) in layers]
+            tensors = _pairs(spec.path, {key: f.get_tensor(key) for key in wanted})
+    except (SafetensorError, OSError) as exc:
+        raise AdapterError(f"{spec.path}: cannot load {WEIGHTS_FILE} ({exc})") from exc
+    changed = {module for _, module in tensors} - spec.modules
+    if changed:
+        raise AdapterError(f"{spec.path}: {WEIGHTS_FILE} changed since it was registered (now has {sorted(changed)})")
+    try:
+        spans = pack_layers(layout, image, image_groups(spec.modules), spec.rank, tensors, layers)
+    except RuntimeError as exc:  # a shape that changed since registration
+        raise AdapterError(f"{spec.path}: {WEIGHTS_FILE} no longer fits its registered shapes ({exc})") from exc
+    if not all(_all_finite(span) for span in spans):
+        raise AdapterError(f"{spec.path}: {_non_finite(tensors, dtype)} contains NaN or infinite values (in {dtype})")
+
+
+def _layer_of(folder: Path, key: str, num_layers: int) -> int:
+    match = _KEY.match(key)
+    if match is None:
+        raise AdapterError(f"{folder}: unsupported tensor {key!r}")
+    layer = int(match[1])
+    if layer >= num_layers:
+        raise AdapterError(f"{folder}: {key!r} targets layer {layer}, base has {num_layers}")
+    return layer
+
+
+def _pairs(folder: Path, raw: dict[str, torch.Tensor]) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """The file's tensors by (layer, module) as (A, B); AdapterError for a name we do not know or half a pair."""
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name, tensor in raw.items():
+        match = _KEY.match(name)
+        if match is None:
+            raise AdapterError(f"{folder}: unsupported tensor {name!r}")
+        halves.setdefault((int(match[1]), match[2]), {})[match[3]] = tensor
+    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for key, pair in halves.items():
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(f"{folder}: layer {key[0]} {key[1]} lacks lora_{'B' if 'A' in pair else 'A'}")
+        tensors[key] = (pair["A"], pair["B"])
+    return tensors
+
+
+def _non_finite(tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> str:
+    """Which of `tensors` is not finite in `dtype` (looked for only once a whole check failed)."""
+    return next(
+        f"{key[1]} of layer {key[0]}"
+        for key, pair in tensors.items()
+        if not all(t.to(dtype).isfinite().all() for t in pair)
+    )
 
 
 def host_copy(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,9 @@ class EngineConfig:
     adapter_eviction: str = "frequency"  # LoRA slots: frequency (decayed frequency, recency, pinning) | lru
     # Where adapter files are read: thread | process (keeps the GIL free) | auto (process on CUDA, else thread)
     adapter_loader: str = "auto"
+    # Loader processes; with the shared arena one load is split over all of them by layers. 0 = auto: a
+    # quarter of the cores, 2 to 8.
+    adapter_loader_workers: int = 0
     # CUDA with loader processes: page-locked shared memory taken at start-up, which the loaders write host
     # images straight into (beyond it, each image is pinned alone)
     pinned_adapter_memory_mb: int = 1024
@@ -51,6 +55,8 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.adapter_loader_workers < 0:
+            raise ValueError(f"adapter_loader_workers must be >= 0, got {self.adapter_loader_workers}")
         if self.pinned_adapter_memory_mb < 0:
             raise ValueError(f"pinned_adapter_memory_mb must be >= 0, got {self.pinned_adapter_memory_mb}")
         if self.gil_switch_interval_ms < 0:
@@ -65,6 +71,13 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("max_num_batched_tokens must be >= max_model_len (prompts are prefilled whole)")
+
+    def loader_workers(self) -> int:
+        """`adapter_loader_workers`, resolved: a load split over more workers than a quarter of the cores
+        would compete with the engine's own threads."""
+        if self.adapter_loader_workers:
+            return self.adapter_loader_workers
+        return max(2, min(8, (os.cpu_count() or 1) // 4))
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -96,7 +96,7 @@ class LLMEngine:
         self._arena: PinnedArena | None = None
         if self._loads_in_processes(config):
             self._arena = self._shared_arena(config.pinned_adapter_memory_mb)
-            loader = ProcessLoader(self.dtype, self.stacks.layout, arena=self._arena)
+            loader = ProcessLoader(self.dtype, self.stacks.layout, config.loader_workers(), self._arena)
         else:
             loader = ThreadLoader(self.dtype, self.stacks.layout)
         self.pool = AdapterPool(arch, self.stacks, self.dtype, config.host_adapter_cache, eviction, loader, self._arena)

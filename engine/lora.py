@@ -100,20 +100,37 @@ def pack_adapter(
     whatever the number of layers; the host tiers hold rank, not max-rank, bytes. Groups the adapter
     leaves alone are not stored (their group rank of 0 makes the kernels skip them)."""
     groups = image_groups(adapter.modules)
-    r = adapter.rank
-    size = layout.image_size(groups, r)
+    size = layout.image_size(groups, adapter.rank)
     buffer = arena.take(size, dtype) if arena is not None else None
     if buffer is None:
         buffer = torch.empty(size, dtype=dtype, pin_memory=pin)
+    pack_layers(layout, buffer, groups, adapter.rank, adapter.tensors, range(layout.num_layers))
+    return AdapterWeights(adapter.rank, adapter.scaling, adapter.modules, {}, buffer, groups)
+
+
+def pack_layers(
+    layout: SlotLayout,
+    image: torch.Tensor,
+    groups: tuple[str, ...],
+    rank: int,
+    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+    layers: range,
+) -> list[torch.Tensor]:
+    """Write the `layers` of an adapter image (`tensors`: (layer, module) -> (A, B), any float dtype) into
+    their place in `image`, the whole image of `groups` at `rank`; members of a group that `tensors` lacks
+    are zeroed. Returns the parts of `image` written: one contiguous span per group and matrix, so that
+    loader processes can fill the layers of one image side by side and each check its own spans."""
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
     absent: list[torch.Tensor] = []
-    for group, (a_img, b_img) in zip(groups, layout.images(buffer, groups, r), strict=True):
-        for layer in range(layout.num_layers):
+    spans: list[torch.Tensor] = []
+    for group, (a_img, b_img) in zip(groups, layout.images(image, groups, rank), strict=True):
+        spans += [a_img[layers.start : layers.stop], b_img[layers.start : layers.stop]]
+        for layer in layers:
             n0 = 0
             for i, (module, width) in enumerate(zip(PROJECTION_GROUPS[group], layout.group_slices[group], strict=True)):
                 views = [a_img[layer, i], b_img[layer, :, n0 : n0 + width].t()]  # B [out, r] into [r, out]
-                pair = adapter.tensors.get((layer, module))
+                pair = tensors.get((layer, module))
                 if pair is None:
                     absent += views
                 else:
@@ -124,7 +141,7 @@ def pack_adapter(
         torch._foreach_zero_(absent)
     if dst:
         torch._foreach_copy_(dst, src)
-    return AdapterWeights(adapter.rank, adapter.scaling, adapter.modules, {}, buffer, groups)
+    return spans
 
 
 class LoRAStacks:

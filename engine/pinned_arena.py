@@ -151,18 +151,3 @@ def attach(name: str, offset: int, numel: int, dtype: torch.dtype) -> torch.Tens
         _attached[name] = shm
     count = numel * dtype.itemsize
     return torch.frombuffer(shm.buf, dtype=torch.uint8, count=count, offset=offset).view(dtype)
-
-
-class GivenExtent:
-    """`HostBuffers` of exactly one buffer: a loader process packs into the extent it was handed."""
-
-    def __init__(self, extent: torch.Tensor) -> None:
-        self._extent = extent
-
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-        if numel != self._extent.numel() or dtype != self._extent.dtype:
-            raise ValueError(f"image of {numel} {dtype} does not fit the extent handed out for it")
-        return self._extent
-
-    def give_back(self, tensor: torch.Tensor, stream: torch.cuda.Stream | None = None) -> bool:
-        return False  # the engine process owns the extent and gives it back

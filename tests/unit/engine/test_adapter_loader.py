@@ -39,7 +39,8 @@ def process_loaders(fused_layout, shared_arena: PinnedArena) -> Iterator[dict[st
     loaders = {
         "loose": ProcessLoader(torch.float32, None, workers=1),
         "packed": ProcessLoader(torch.float32, fused_layout, workers=1),
-        "shared": ProcessLoader(torch.float32, fused_layout, workers=1, arena=shared_arena),
+        # Two workers: each load into the shared arena is split in two parts, one layer each.
+        "shared": ProcessLoader(torch.float32, fused_layout, workers=2, arena=shared_arena),
     }
     yield loaders
     for loader in loaders.values():
@@ -92,6 +93,7 @@ def test_a_failed_or_cancelled_load_into_the_shared_arena_gives_its_extent_back(
     process_loaders: dict[str, ProcessLoader], shared_arena: PinnedArena, tmp_path: Path
 ) -> None:
     empty = shared_arena.free_pages
+    # Poisoned in layer 0: one part of the split load fails, the other succeeds; the load fails as a whole.
     broken = read_spec(_poison(write_adapter(tmp_path / "bad"), float("nan")), TINY, 8)
     error = process_loaders["shared"].submit(broken).exception(60)
     assert isinstance(error, AdapterError) and "NaN or infinite" in str(error)
@@ -156,5 +158,14 @@ def test_loads_work_again_after_the_worker_processes_died(tmp_path: Path) -> Non
             assert isinstance(error, BrokenProcessPool)
         else:
             pytest.fail("loads kept failing after the workers died")
+    finally:
+        loader.close()
+
+
+def test_workers_start_with_the_loader_not_with_the_first_load() -> None:
+    """A first cold load used to wait for its worker's start (a second or more: the import of torch)."""
+    loader = ProcessLoader(torch.float32, None, workers=2)
+    try:
+        assert len(loader._executor._processes) == 2  # type: ignore[attr-defined]
     finally:
         loader.close()

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.adapters import AdapterError, load_adapter, read_spec
-from engine.lora import LoRAStacks
+from engine.adapter_loader import layer_parts
+from engine.adapters import AdapterError, AdapterSpec, load_adapter, load_layers_into, read_spec
+from engine.lora import LoRAStacks, SlotLayout, image_groups
 from tests.unit.engine.tiny import TINY, write_adapter
 
 
@@ -106,3 +107,63 @@ def test_a_weights_file_truncated_after_registration_fails_its_load_only(tmp_pat
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(AdapterError, match=r"cannot load adapter_model\.safetensors"):
         load_adapter(spec, torch.float32, pin=False)
+
+
+def _image(layout: SlotLayout, spec: AdapterSpec, dtype: torch.dtype) -> torch.Tensor:
+    """An empty slot image for `spec`, filled with NaN so that any element left unwritten shows."""
+    return torch.full((layout.image_size(image_groups(spec.modules), spec.rank),), float("nan"), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_layers_loaded_part_by_part_make_the_image_a_whole_load_makes(dtype: torch.dtype, tmp_path: Path) -> None:
+    """Loader processes fill one image side by side, a range of layers each: together they must write every
+    element of it, members the adapter lacks (k_proj here) as zeros, exactly as one whole load."""
+    layout = LoRAStacks(TINY, 1, 8, dtype, torch.device("cpu"), fused=True).layout
+    assert layout is not None
+    spec = read_spec(write_adapter(tmp_path / "a", rank=4, modules=("q_proj", "v_proj", "down_proj")), TINY, 8)
+    whole = load_adapter(spec, dtype, pin=False, layout=layout).packed
+    assert whole is not None
+    image = _image(layout, spec, dtype)
+    for layers in layer_parts(TINY.num_layers, 2):
+        load_layers_into(spec, dtype, layout, image, layers)
+    torch.testing.assert_close(image, whole, rtol=0, atol=0)
+
+
+def test_layer_parts_cover_every_layer_once() -> None:
+    assert layer_parts(30, 4) == [range(0, 7), range(7, 15), range(15, 22), range(22, 30)]
+    assert layer_parts(2, 8) == [range(0, 1), range(1, 2)]  # never an empty part
+    assert layer_parts(5, 1) == [range(0, 5)]
+
+
+def test_a_part_refuses_non_finite_weights_in_its_own_layers_only(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    layout = LoRAStacks(TINY, 1, 8, torch.float32, torch.device("cpu"), fused=True).layout
+    assert layout is not None
+    folder = write_adapter(tmp_path / "bad")
+    path = str(folder / "adapter_model.safetensors")
+    tensors = load_file(path)
+    tensors["base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"][0, 3] = float("inf")
+    save_file(tensors, path)
+    spec = read_spec(folder, TINY, 8)
+    image = _image(layout, spec, torch.float32)
+    load_layers_into(spec, torch.float32, layout, image, range(0, 1))
+    with pytest.raises(AdapterError, match="v_proj of layer 1 contains NaN or infinite"):
+        load_layers_into(spec, torch.float32, layout, image, range(1, 2))
+
+
+def test_a_part_refuses_a_file_changed_since_registration(tmp_path: Path) -> None:
+    """The image was sized for the registered modules and rank: a replaced file must not be packed into it."""
+    layout = LoRAStacks(TINY, 1, 8, torch.float32, torch.device("cpu"), fused=True).layout
+    assert layout is not None
+    spec = read_spec(write_adapter(tmp_path / "a", rank=4, modules=("q_proj",)), TINY, 8)
+    image = _image(layout, spec, torch.float32)
+    write_adapter(tmp_path / "a", rank=4, modules=("q_proj", "o_proj"))
+    with pytest.raises(AdapterError, match=r"changed since it was registered \(now has \['o_proj'\]\)"):
+        load_layers_into(spec, torch.float32, layout, image, range(0, 2))
+    write_adapter(tmp_path / "a", rank=8, modules=("q_proj",))
+    with pytest.raises(AdapterError, match="no longer fits its registered shapes"):
+        load_layers_into(spec, torch.float32, layout, image, range(0, 2))
+    (tmp_path / "a" / "adapter_model.safetensors").write_bytes(b"\x00" * 10)
+    with pytest.raises(AdapterError, match=r"cannot load adapter_model\.safetensors"):
+        load_layers_into(spec, torch.float32, layout, image, range(0, 2))

@@ -37,3 +37,14 @@ def test_pinned_adapter_memory_flag() -> None:
     assert config_from(parser.parse_args(["--pinned-adapter-memory-mb", "0"])).pinned_adapter_memory_mb == 0
     with pytest.raises(ValueError, match="pinned_adapter_memory_mb"):
         config_from(parser.parse_args(["--pinned-adapter-memory-mb", "-1"])).validate()
+
+
+def test_adapter_loader_workers_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = build_parser()
+    assert config_from(parser.parse_args(["--adapter-loader-workers", "3"])).loader_workers() == 3
+    auto = config_from(parser.parse_args([]))
+    for cores, workers in ((2, 2), (16, 4), (128, 8)):  # a quarter of the cores, 2 to 8
+        monkeypatch.setattr("os.cpu_count", lambda cores=cores: cores)
+        assert auto.loader_workers() == workers
+    with pytest.raises(ValueError, match="adapter_loader_workers"):
+        config_from(parser.parse_args(["--adapter-loader-workers", "-1"])).validate()
