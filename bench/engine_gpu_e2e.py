@@ -498,6 +498,11 @@ def main() -> None:
         default="1024",
         help="shared pinned arenas of loader processes (MiB; 0 = none, 1024 the default) for d and f",
     )
+    ap.add_argument(
+        "--loader-workers",
+        default="0",
+        help="loader processes, each load split over all of them (0 = the engine's default; 1 = unsplit) for d and f",
+    )
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
     args = ap.parse_args()
     global TRACE, LOADER
@@ -516,15 +521,24 @@ def main() -> None:
     free_gpu_memory()
     # Cold starts, loads under traffic and hot swap, once per adapter loader, side by side in this run.
     configs = [
-        (loader, float(ms), int(mb))
+        (loader, float(ms), int(mb), int(workers))
         for loader in args.loaders.split(",")
         for ms in args.switch_intervals.split(",")
         for mb in (args.pinned_mb.split(",") if loader == "process" else ["0"])  # threads use no arena
+        for workers in (args.loader_workers.split(",") if loader == "process" else ["0"])
     ]
-    for loader, switch_ms, pinned_mb in configs if {"d", "f"}.intersection(args.only) else []:
+    for loader, switch_ms, pinned_mb, workers in configs if {"d", "f"}.intersection(args.only) else []:
         arena = f", shared arena {pinned_mb} MiB" if loader == "process" else ""
-        LOADER = f"{loader} loader, GIL switch {switch_ms or 5:g} ms{arena}"
-        eng = b.engine(adapter_loader=loader, gil_switch_interval_ms=switch_ms, pinned_adapter_memory_mb=pinned_mb)
+        split = (
+            f", {EngineConfig(adapter_loader_workers=workers).loader_workers()} workers" if loader == "process" else ""
+        )
+        LOADER = f"{loader} loader, GIL switch {switch_ms or 5:g} ms{arena}{split}"
+        eng = b.engine(
+            adapter_loader=loader,
+            gil_switch_interval_ms=switch_ms,
+            pinned_adapter_memory_mb=pinned_mb,
+            adapter_loader_workers=workers,
+        )
         if "d" in args.only:
             section_cold_start(b, eng, prompt)
             section_others_during_loads(b, eng, prompt)
