@@ -558,6 +558,50 @@ def section_mixed(args: argparse.Namespace, configs: dict[int, Configs], bw: flo
         )
 
 
+# Expand launch shapes compared in (c) for decode (chunks of 1): the column tile and the rank rows per work unit.
+EXPAND_SHAPES = [(bn, rows) for bn in (1024, 512, 256) for rows in (16, 8)]
+
+
+def section_mixed_expand_shapes(args: argparse.Namespace, configs: dict[int, Configs]) -> None:
+    """(c), decode: the goal's ratio under other expand launch shapes, each against uniform 16 with the same
+    shape and with the default one. A rank-64 chunk's programs each loop over 4 rank blocks of at least one
+    column tile, so narrower tiles split it finer; units of 8 rank rows give a rank-8 chunk half the programs."""
+    print("\n(c) decode, expand launch shapes (block_n, rank rows per unit): mixed ranks vs uniform 16, us/layer")
+    gen = torch.Generator().manual_seed(1)
+    mixed = [8] * 40 + [16] * 12 + [32] * 8 + [64] * 4
+    mixed = [mixed[i] for i in torch.randperm(SLOTS, generator=gen).tolist()]
+    layers = 2 if args.quick else 4
+    slots = torch.randperm(SLOTS, generator=gen).tolist()
+    stacks = {
+        "uniform 16 (R=16)": ([RANK] * SLOTS, RANK),
+        "uniform 16 (R=64)": ([RANK] * SLOTS, 64),
+        "mixed": (mixed, 64),
+    }
+    default = replace(configs[1], variant=DEFAULTS)
+    times: dict[tuple[int, int], dict[str, float]] = {}
+    for name, (ranks, max_rank) in stacks.items():
+        stack = LayerStack(ranks, max_rank, layers, 1, True)
+        stack.use(slots)
+        for bn, rows in EXPAND_SHAPES:
+            cfg = replace(default, expand=replace(default.expand, block_n=bn, unit_rows=rows))
+            graph = stack.graph(partial(_run, plan=stack.plan, cfg=cfg))
+            check_lora(stack.loras[0], slots, graph.replay, f"{name}, expand {bn}/{rows} (graph)")
+            times.setdefault((bn, rows), {})[name] = median_us(graph.replay, args.quick) / layers
+            del graph
+        del stack
+        torch.cuda.empty_cache()
+    ref = times[(default.expand.block_n, default.expand.unit_rows)]["uniform 16 (R=16)"]
+    for (bn, rows), row in times.items():
+        line = (
+            f"(c) decode, expand {bn:4d} cols / {rows:2d} rows per unit: "
+            + ", ".join(f"{n} {t:5.1f} us" for n, t in row.items())
+            + f"; mixed x{row['mixed'] / row['uniform 16 (R=16)']:.2f} the same shape's uniform 16,"
+            f" x{row['mixed'] / ref:.2f} the default's"
+        )
+        print("  " + line)
+        SUMMARY.append(line)
+
+
 class DecodeLayer:
     """One Llama-7B decoder layer with random bf16 weights and a KV cache of KV_LEN positions."""
 
@@ -711,6 +755,7 @@ def main() -> None:
     if "c" in args.only:
         try:
             section_mixed(args, configs, bw)
+            section_mixed_expand_shapes(args, configs)
         except Exception:
             traceback.print_exc()
             failed = True

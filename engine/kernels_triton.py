@@ -91,12 +91,15 @@ class ShrinkConfig:
 
 @dataclass(frozen=True, slots=True)
 class ExpandConfig:
-    """Launch shape of the expand kernel: `programs_per_sm` x SMs programs share out the chunks."""
+    """Launch shape of the expand kernel: `programs_per_sm` x SMs programs share out the chunks, one work unit
+    per `unit_rows` rank rows of a chunk (8: a rank-8 adapter, whose rows cost half a rank-16 one's, gets half
+    the programs; the rank loop inside a program still steps by 16)."""
 
     block_n: int = 256
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 4
+    unit_rows: int = 16
 
 
 def default_configs(block_m: int) -> tuple[ShrinkConfig, ExpandConfig]:
@@ -506,6 +509,8 @@ def _expand_kernel(
     stride_br: tl.tensor,
     SLICES: tl.constexpr,
     R_BLOCKS: tl.constexpr,
+    UNIT_R: tl.constexpr,
+    R_UNITS: tl.constexpr,
     CHUNKS: tl.constexpr,
     N_TILES: tl.constexpr,
     N_ITERS: tl.constexpr,
@@ -520,11 +525,11 @@ def _expand_kernel(
     GDC: tl.constexpr,
     SHORT_CHAIN: tl.constexpr,
 ) -> None:
-    # Work unit = (chunk, slice, rank block); the programs of a (chunk, slice)'s units split its column tiles,
-    # so a chunk of rank 64 gets 4x the programs of one of rank 16 and each loops over 4 rank blocks.
+    # Work unit = (chunk, slice, UNIT_R rank rows); the programs of a (chunk, slice)'s units split its column
+    # tiles, so a chunk of rank 64 gets 4x the programs of one of rank 16 and each loops over 4 rank blocks.
     num_real = tl.load(num_real_ptr)
     past, chunk, rank, j, nb, per, sub = _locate(
-        chunks_ptr, ranks_ptr, num_real, n_chunks, SLICES, R_BLOCKS, RANK_BLOCK, N_TILES, CHUNKS
+        chunks_ptr, ranks_ptr, num_real, n_chunks, SLICES, R_UNITS, UNIT_R, N_TILES, CHUNKS
     )
     sl = j // nb
     tiles_per_part = tl.cdiv(N_TILES, nb * per)
@@ -751,7 +756,7 @@ def expand(
         per_thread = _TILE_PER_THREAD * 2 // b_stack.element_size() // (2 if r_blocks > 1 else 1)
         block_n = max(16, min(block_n, per_thread * 32 * cfg.num_warps // RANK_BLOCK.value))
     n_tiles = triton.cdiv(max(sizes), block_n)
-    most_units = plan.num_chunks * len(sizes) * r_blocks
+    most_units = plan.num_chunks * len(sizes) * triton.cdiv(r_slice, cfg.unit_rows)
     programs = _programs(y.device, cfg.programs_per_sm, most_units)
     fewest_parts = min(max(programs // most_units, 1), n_tiles)
     _expand_kernel[(programs,)](
@@ -772,6 +777,8 @@ def expand(
         b_stack.stride(2),
         SLICES=len(sizes),
         R_BLOCKS=r_blocks,
+        UNIT_R=cfg.unit_rows,
+        R_UNITS=triton.cdiv(r_slice, cfg.unit_rows),
         CHUNKS=_scanned_chunks(plan),
         N_TILES=n_tiles,
         N_ITERS=triton.cdiv(n_tiles, fewest_parts) if _static_loops() else 0,

@@ -392,6 +392,7 @@ class TestInterpreted:
         token_slots: list[int],
         options: dict[str, bool],
         rank_major: bool = True,
+        unit_rows: int = 16,
     ) -> None:
         from engine import kernels_triton as kt
         from engine import lora_plan
@@ -409,12 +410,30 @@ class TestInterpreted:
         assert rel_err(h, expected_h(case)) < tol
 
         y = case.y.clone()
-        expand_cfg = kt.ExpandConfig(block_n=16, programs_per_sm=per_sm)
+        expand_cfg = kt.ExpandConfig(block_n=16, programs_per_sm=per_sm, unit_rows=unit_rows)
         sizes = case.slice_sizes
         kt.expand(y, h, case.b_stack, case.ranks, case.scalings, plan, slice_sizes=sizes, config=expand_cfg, **options)
         assert rel_err(y, expected_y(case)) < tol
         untouched = (case.token_slots < 0) | (case.token_slots == 2)
         assert torch.equal(y[untouched], case.y[untouched])
+
+    # Expand's programs shared out per 8 rank rows (a rank-8 chunk gets half a rank-16 one's): the chunks'
+    # columns are then split in more parts than a rank block loop would; also past the scan limit.
+    @pytest.mark.parametrize(
+        ("block_m", "per_sm", "token_slots"),
+        [(16, 4, FEW_CHUNK_SLOTS), (1, 4, SHORT_SLOTS), (1, 1, MIXED_SLOTS)],
+        ids=["adapt", "token-adapt", "token-loop"],
+    )
+    @pytest.mark.parametrize("scan", [True, False], ids=["scanned", "static"])
+    @pytest.mark.parametrize("name", ["rank-64-mixed", "rank-24-stack"])
+    def test_expand_units_of_8_rank_rows(
+        self, monkeypatch: pytest.MonkeyPatch, name: str, scan: bool, block_m: int, per_sm: int, token_slots: list[int]
+    ) -> None:
+        from engine import kernels_triton as kt
+
+        if not scan:
+            monkeypatch.setattr(kt, "_MAX_SCANNED_CHUNKS", 2)
+        self.check_shrink_and_expand(name, torch.bfloat16, block_m, 16, per_sm, token_slots, {}, unit_rows=8)
 
     # Out-major B (contiguous [S, N, R], R contiguous), still accepted: the last rank block is read to its end
     # (zero by the layout) to keep loads wide along R; ranks 8..64 in R = 64 and 17 / 24 in R = 24.
