@@ -633,8 +633,16 @@ class DecodeLayer:
         rotated = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
         return t * self.cos + rotated * self.sin
 
-    def step(self, lora: Callable[[str, torch.Tensor, torch.Tensor], None] | None) -> torch.Tensor:
+    def step(
+        self,
+        lora: Callable[[str, torch.Tensor, torch.Tensor], None] | None,
+        before: Callable[[str, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """`before(name, x)` runs ahead of each projection's GEMM, `lora(name, x, y)` after it."""
+
         def proj(name: str, x: torch.Tensor) -> torch.Tensor:
+            if before is not None:
+                before(name, x)
             y = x @ self.w[name].t()
             if lora is not None:
                 lora(name, x, y)
@@ -666,28 +674,48 @@ def section_decode_layer(args: argparse.Namespace, runs: Sequence[tuple[int, Con
     base = (median_us(graph_of(base_step).replay, args.quick), median_us(base_step, args.quick))
     print(f"  no LoRA                  graph {base[0]:7.1f} us   eager {base[1]:7.1f} us")
     base_bytes = layer.base_bytes()
-    for block_m, cfg in runs:
+    side = torch.cuda.Stream(DEV)
+    for block_m, cfg, overlap in [(m, c, o) for m, c in runs for o in ((False, True) if m == 1 else (False,))]:
         capacity = lora_plan.chunk_capacity(BATCH, SLOTS, block_m)
         plan = lora_plan.plan_segments(list(range(BATCH)), DEV, block_m=block_m, num_chunks=capacity)
-        tag = f"chunks of {block_m:2d} {cfg.variant.name:8s}"
+        tag = f"chunks of {block_m:2d} {cfg.variant.name:8s}{' +overlap' if overlap else ''}"
 
-        def triton_lora(
-            name: str, x: torch.Tensor, y: torch.Tensor, plan: lora_plan.SegmentPlan = plan, cfg: Configs = cfg
-        ) -> None:
+        def shrink(name: str, x: torch.Tensor, plan: lora_plan.SegmentPlan = plan, cfg: Configs = cfg) -> None:
             if index[name] == 0:
                 lora.h.zero_()  # the layer's one memset, before its first projection
             h = lora.h_of(index[name], lora.a[name].shape[1])
             sl, opts = slices[name], {"pdl": cfg.variant.pdl, "short_chain": cfg.variant.short_chain}
             kt.shrink(x, lora.a[name], lora.ranks, plan, h, num_slices=len(sl), config=cfg.shrink, **opts)
+
+        def expand(name: str, y: torch.Tensor, plan: lora_plan.SegmentPlan = plan, cfg: Configs = cfg) -> None:
+            h = lora.h_of(index[name], lora.a[name].shape[1])
+            sl, opts = slices[name], {"pdl": cfg.variant.pdl, "short_chain": cfg.variant.short_chain}
             kt.expand(y, h, lora.b[name], lora.ranks, lora.scalings, plan, slice_sizes=sl, config=cfg.expand, **opts)
 
-        def lora_step(triton_lora: Callable[[str, torch.Tensor, torch.Tensor], None] = triton_lora) -> torch.Tensor:
+        def triton_lora(name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+            shrink(name, x)
+            expand(name, y)
+
+        # Overlapped: each shrink runs on a side stream beside its projection's base GEMM (both read only x);
+        # the expand joins after the GEMM.
+        def shrink_beside(name: str, x: torch.Tensor) -> None:
+            side.wait_stream(torch.cuda.current_stream(DEV))
+            with torch.cuda.stream(side):
+                shrink(name, x)
+
+        def expand_after(name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+            torch.cuda.current_stream(DEV).wait_stream(side)
+            expand(name, y)
+
+        def lora_step(overlap: bool = overlap) -> torch.Tensor:
+            if overlap:
+                return layer.step(expand_after, shrink_beside)
             return layer.step(triton_lora)
 
         wants: dict[str, torch.Tensor] = {}
         for name in ("1 adapter", "64 distinct"):
             plan.copy_(lora_plan.plan_segments(scen[name], DEV, block_m=block_m, num_chunks=capacity))
-            got = layer.step(triton_lora)
+            got = lora_step()
             slots = torch.tensor(scen[name], dtype=torch.int32, device=DEV)
             wants[name] = layer.step(partial(grouped_lora_hook, lora=lora, slots=slots))
             err = float((got - wants[name]).double().norm() / (wants[name] - base_out).double().norm())
