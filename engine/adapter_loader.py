@@ -78,6 +78,7 @@ class ProcessLoader:
         self._dtype, self._layout, self._arena = dtype, layout, arena
         self._pin = torch.cuda.is_available()
         self._workers = workers
+        self._lock = threading.RLock()  # load callbacks on the pool's threads may restart it too
         self._executor = self._start_workers()
 
     def _start_workers(self) -> ProcessPoolExecutor:
@@ -89,18 +90,31 @@ class ProcessLoader:
         return executor
 
     def _run(self, fn: Callable[..., T], *args: object) -> Future[T]:
-        """`fn(*args)` in a worker. A worker that died (killed, out of memory) breaks the whole pool: its
-        loads in flight fail with BrokenProcessPool, and the next load starts new workers."""
-        try:
-            return self._executor.submit(fn, *args)
-        except BrokenProcessPool:
-            log.warning("adapter loader processes died: starting new ones")
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = self._start_workers()
-            return self._executor.submit(fn, *args)
+        """`fn(*args)` in a worker. A worker that died (killed, out of memory, SIGBUS on a file truncated
+        under its map) breaks the whole pool: its loads in flight fail with BrokenProcessPool, and the next
+        submission starts new workers."""
+        with self._lock:
+            try:
+                return self._executor.submit(fn, *args)
+            except BrokenProcessPool:
+                log.warning("adapter loader processes died: starting new ones")
+                self._executor.shutdown(wait=False, cancel_futures=True)
+                self._executor = self._start_workers()
+                return self._executor.submit(fn, *args)
 
     def submit(self, spec: AdapterSpec) -> Future[AdapterWeights]:
         outer: Future[AdapterWeights] = Future()
+        self._start(spec, outer, retry=True)
+        return outer
+
+    def _start(self, spec: AdapterSpec, outer: Future[AdapterWeights], retry: bool) -> None:
+        # A load that fails because the pool broke is started once more on new workers: the worker that died
+        # may have been loading another adapter, and this one's requests should not fail for it.
+        def again() -> None:
+            if not outer.done():
+                self._start(spec, outer, retry=False)
+
+        on_broken = again if retry else None
         extent = self._extent_for(spec)
         if extent is not None:
             assert self._arena is not None and self._layout is not None
@@ -117,12 +131,11 @@ class ProcessLoader:
                     parts.append(failed)
                     break
             image = AdapterWeights(spec.rank, spec.scaling, spec.modules, {}, extent, image_groups(spec.modules))
-            _settle_parts(outer, parts, image, self._arena)
-            return outer
+            _settle_parts(outer, parts, image, self._arena, on_broken)
+            return
         inner = self._run(read_adapter, spec, self._dtype, self._layout, False)
         outer.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
-        inner.add_done_callback(_settle(outer, self._pin, self._arena))
-        return outer
+        inner.add_done_callback(_settle(outer, self._pin, self._arena, on_broken))
 
     def _extent_for(self, spec: AdapterSpec) -> torch.Tensor | None:
         """An extent of the shared arena for `spec`'s slot image, if there is one and it has room."""
@@ -152,11 +165,16 @@ def fill_layers(
 
 
 def _settle_parts(
-    outer: Future[AdapterWeights], parts: list[Future[None]], image: AdapterWeights, arena: PinnedArena
+    outer: Future[AdapterWeights],
+    parts: list[Future[None]],
+    image: AdapterWeights,
+    arena: PinnedArena,
+    on_broken: Callable[[], None] | None,
 ) -> None:
     """Resolve `outer` with `image` once every part has filled its layers. The image's extent goes back to
     the arena on every other outcome, but only after the last part has ended: until then a worker may still
-    write into it. Cancelling `outer` cancels the parts not yet started."""
+    write into it. Cancelling `outer` cancels the parts not yet started. If the pool broke, `on_broken`
+    (when given) starts the load again instead of failing it."""
     lock = threading.Lock()
     pending = [len(parts)]
 
@@ -170,10 +188,17 @@ def _settle_parts(
         if failure is None and not any(p.cancelled() for p in parts) and outer.set_running_or_notify_cancel():
             outer.set_result(image)
             return
-        arena.give_back(image.packed)
+        if isinstance(failure, BrokenProcessPool):
+            # The pool fails its futures before it terminates its workers: one of them may still be writing
+            # into the extent, which therefore is not reused (a worker dying is rare; the arena has room).
+            log.warning("an adapter image's extent is left unused: a loader process died while writing it")
+        else:
+            arena.give_back(image.packed)
         if outer.done():
             return
-        if failure is not None:
+        if isinstance(failure, BrokenProcessPool) and on_broken is not None:
+            on_broken()
+        elif failure is not None:
             outer.set_exception(failure)
         else:
             outer.cancel()
@@ -184,7 +209,7 @@ def _settle_parts(
 
 
 def _settle(
-    outer: Future[AdapterWeights], pin: bool, arena: PinnedArena | None
+    outer: Future[AdapterWeights], pin: bool, arena: PinnedArena | None, on_broken: Callable[[], None] | None
 ) -> Callable[[Future[AdapterWeights]], None]:
     def done(inner: Future[AdapterWeights]) -> None:
         if outer.cancelled():
@@ -193,6 +218,9 @@ def _settle(
             outer.cancel()
             return
         exc = inner.exception()
+        if isinstance(exc, BrokenProcessPool) and on_broken is not None:
+            on_broken()
+            return
         if exc is not None:
             outer.set_exception(exc)
             return
