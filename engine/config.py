@@ -55,8 +55,8 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.adapter_loader_workers < 0:
-            raise ValueError(f"adapter_loader_workers must be >= 0, got {self.adapter_loader_workers}")
+        if not 0 <= self.adapter_loader_workers <= 64:
+            raise ValueError(f"adapter_loader_workers must be within 0..64, got {self.adapter_loader_workers}")
         if self.pinned_adapter_memory_mb < 0:
             raise ValueError(f"pinned_adapter_memory_mb must be >= 0, got {self.pinned_adapter_memory_mb}")
         if self.gil_switch_interval_ms < 0:

@@ -46,5 +46,6 @@ def test_adapter_loader_workers_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     for cores, workers in ((2, 2), (16, 4), (128, 8)):  # a quarter of the cores, 2 to 8
         monkeypatch.setattr("os.cpu_count", lambda cores=cores: cores)
         assert auto.loader_workers() == workers
-    with pytest.raises(ValueError, match="adapter_loader_workers"):
-        config_from(parser.parse_args(["--adapter-loader-workers", "-1"])).validate()
+    for bad in ("-1", "65"):  # 65 processes importing torch would only compete with the engine
+        with pytest.raises(ValueError, match="adapter_loader_workers must be within 0..64"):
+            config_from(parser.parse_args(["--adapter-loader-workers", bad])).validate()
