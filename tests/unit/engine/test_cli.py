@@ -47,5 +47,5 @@ def test_adapter_loader_workers_flag(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr("os.cpu_count", lambda cores=cores: cores)
         assert auto.loader_workers() == workers
     for bad in ("-1", "65"):  # 65 processes importing torch would only compete with the engine
-        with pytest.raises(ValueError, match="adapter_loader_workers must be within 0..64"):
+        with pytest.raises(ValueError, match=r"adapter_loader_workers must be within 0\.\.64"):
             config_from(parser.parse_args(["--adapter-loader-workers", bad])).validate()
