@@ -420,12 +420,15 @@ class TestInterpreted:
     # Expand's programs shared out per 8 rank rows (a rank-8 chunk gets half a rank-16 one's): the chunks'
     # columns are then split in more parts than a rank block loop would; also past the scan limit.
     @pytest.mark.parametrize(
-        ("block_m", "per_sm", "token_slots"),
-        [(16, 4, FEW_CHUNK_SLOTS), (1, 4, SHORT_SLOTS), (1, 1, MIXED_SLOTS)],
-        ids=["adapt", "token-adapt", "token-loop"],
+        ("name", "scan", "block_m", "per_sm", "token_slots"),
+        [
+            ("rank-64-mixed", True, 16, 4, FEW_CHUNK_SLOTS),
+            ("rank-64-mixed", True, 1, 4, SHORT_SLOTS),
+            ("rank-64-mixed", False, 1, 4, SHORT_SLOTS),
+            ("rank-24-stack", True, 1, 1, MIXED_SLOTS),
+        ],
+        ids=["adapt", "token-adapt", "token-static", "r24-token-loop"],
     )
-    @pytest.mark.parametrize("scan", [True, False], ids=["scanned", "static"])
-    @pytest.mark.parametrize("name", ["rank-64-mixed", "rank-24-stack"])
     def test_expand_units_of_8_rank_rows(
         self, monkeypatch: pytest.MonkeyPatch, name: str, scan: bool, block_m: int, per_sm: int, token_slots: list[int]
     ) -> None:
