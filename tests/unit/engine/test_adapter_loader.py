@@ -143,7 +143,10 @@ def test_pool_with_a_process_loader_loads_and_hot_swaps(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["whole", "split"])
 def test_loads_in_flight_when_the_workers_die_are_started_again(
-    kind: str, fused_layout, shared_arena: PinnedArena, tmp_path: Path  # type: ignore[no-untyped-def]
+    kind: str,
+    fused_layout,
+    shared_arena: PinnedArena,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
 ) -> None:
     """A killed worker breaks the whole process pool: every load in flight failed with BrokenProcessPool
     (the worker may have been loading another adapter), and at first every later load too."""
