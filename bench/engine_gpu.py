@@ -498,15 +498,21 @@ OLD_MIXED = {
 OUT_MAJOR_EXPAND = {1: kt.ExpandConfig(block_n=512, programs_per_sm=4)}
 
 
+def mixed_ranks_and_slots() -> tuple[list[int], list[int]]:
+    """(c)'s ranks 8/16/32/64 per slot (sum 1024 = 64 x 16: equal bytes to uniform 16) and the tokens' slots,
+    both shuffled with a fixed seed so that every section times the same mix."""
+    gen = torch.Generator().manual_seed(1)
+    mixed = [8] * 40 + [16] * 12 + [32] * 8 + [64] * 4
+    mixed = [mixed[i] for i in torch.randperm(SLOTS, generator=gen).tolist()]
+    return mixed, torch.randperm(SLOTS, generator=gen).tolist()
+
+
 def section_mixed(args: argparse.Namespace, configs: dict[int, Configs], bw: float) -> None:
     """(c) with the kernels' default latency options; shrink and expand also timed apart for the two stacks
     the goal compares (mixed <= 1.05x uniform 16 at equal bytes) and for the mix with out-major B."""
     print("\n(c) mixed ranks, 64 distinct adapters, equal adapter bytes (ratios to uniform 16 in a rank-16 stack)")
-    gen = torch.Generator().manual_seed(1)
-    mixed = [8] * 40 + [16] * 12 + [32] * 8 + [64] * 4  # sum of ranks 1024 = 64 x 16
-    mixed = [mixed[i] for i in torch.randperm(SLOTS, generator=gen).tolist()]
+    mixed, slots = mixed_ranks_and_slots()
     layers = 2 if args.quick else 4
-    slots = torch.randperm(SLOTS, generator=gen).tolist()
     base, goal, out_major = "uniform 16 (stack R=16)", "mixed 8/16/32/64 (R=64)", "mixed, out-major B"
     variants = {  # name: ranks, stack R, B rank-major
         base: ([RANK] * SLOTS, RANK, True),
@@ -567,11 +573,8 @@ def section_mixed_expand_shapes(args: argparse.Namespace, configs: dict[int, Con
     shape and with the default one. A rank-64 chunk's programs each loop over 4 rank blocks of at least one
     column tile, so narrower tiles split it finer; units of 8 rank rows give a rank-8 chunk half the programs."""
     print("\n(c) decode, expand launch shapes (block_n, rank rows per unit): mixed ranks vs uniform 16, us/layer")
-    gen = torch.Generator().manual_seed(1)
-    mixed = [8] * 40 + [16] * 12 + [32] * 8 + [64] * 4
-    mixed = [mixed[i] for i in torch.randperm(SLOTS, generator=gen).tolist()]
+    mixed, slots = mixed_ranks_and_slots()
     layers = 2 if args.quick else 4
-    slots = torch.randperm(SLOTS, generator=gen).tolist()
     stacks = {
         "uniform 16 (R=16)": ([RANK] * SLOTS, RANK),
         "uniform 16 (R=64)": ([RANK] * SLOTS, 64),

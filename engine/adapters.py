@@ -16,7 +16,6 @@ import torch
 
 from engine.config import LORA_MODULES, ModelArch
 from engine.lora import AdapterWeights, SlotLayout, image_groups, pack_adapter, pack_layers
-from engine.pinned_arena import HostBuffers
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -124,11 +123,9 @@ def load_adapter(
     dtype: torch.dtype,
     pin: bool | None = None,
     layout: SlotLayout | None = None,
-    arena: HostBuffers | None = None,
 ) -> AdapterWeights:
     """Read the adapter's tensors into one `dtype` host buffer, pinned (by default when CUDA is available)
-    for asynchronous copies to a GPU; for fused stacks (`layout`) straight into their slot layout, in
-    `arena` when it has room."""
+    for asynchronous copies to a GPU; for fused stacks (`layout`) straight into their slot layout."""
     from safetensors import SafetensorError
     from safetensors.torch import load
 
@@ -144,15 +141,13 @@ def load_adapter(
     # (values finite in the file can overflow in a narrower dtype); the culprit is looked for only on failure.
     if layout is not None:
         loose = AdapterWeights(spec.rank, spec.scaling, spec.modules, tensors)
-        weights = pack_adapter(layout, loose, dtype, pin, arena)
+        weights = pack_adapter(layout, loose, dtype, pin)
         assert weights.packed is not None
         flat = weights.packed
     else:
         host, flat = host_copy(tensors, dtype, pin)
         weights = AdapterWeights(spec.rank, spec.scaling, spec.modules, host)
     if not _all_finite(flat):
-        if arena is not None:
-            arena.give_back(flat)  # never copied anywhere: reusable at once
         raise AdapterError(f"{spec.path}: {_non_finite(tensors, dtype)} contains NaN or infinite values (in {dtype})")
     return weights
 

@@ -19,7 +19,6 @@ import torch
 from engine import kernels
 from engine.config import ModelArch
 from engine.lora_plan import SegmentPlan, plan_segments
-from engine.pinned_arena import HostBuffers
 
 # Projections that share an input, applied together: (group -> members, in fused output column order).
 PROJECTION_GROUPS: dict[str, tuple[str, ...]] = {
@@ -90,20 +89,16 @@ def image_groups(modules: Iterable[str]) -> tuple[str, ...]:
     return tuple(g for g, members in PROJECTION_GROUPS.items() if touched.intersection(members))
 
 
-def pack_adapter(
-    layout: SlotLayout, adapter: AdapterWeights, dtype: torch.dtype, pin: bool, arena: HostBuffers | None = None
-) -> AdapterWeights:
-    """The adapter (any float dtype) as one `dtype` host buffer in slot layout at its own rank, in `arena`
-    when it has room (else a new buffer, pinned if `pin`).
+def pack_adapter(layout: SlotLayout, adapter: AdapterWeights, dtype: torch.dtype, pin: bool) -> AdapterWeights:
+    """The adapter (any float dtype) as one new `dtype` host buffer in slot layout at its own rank, pinned if
+    `pin`.
 
     `LoRAStacks.set_lora` then moves it with one host->device copy and a few strided device copies,
     whatever the number of layers; the host tiers hold rank, not max-rank, bytes. Groups the adapter
     leaves alone are not stored (their group rank of 0 makes the kernels skip them)."""
     groups = image_groups(adapter.modules)
     size = layout.image_size(groups, adapter.rank)
-    buffer = arena.take(size, dtype) if arena is not None else None
-    if buffer is None:
-        buffer = torch.empty(size, dtype=dtype, pin_memory=pin)
+    buffer = torch.empty(size, dtype=dtype, pin_memory=pin)
     pack_layers(layout, buffer, groups, adapter.rank, adapter.tensors, range(layout.num_layers))
     return AdapterWeights(adapter.rank, adapter.scaling, adapter.modules, {}, buffer, groups)
 

@@ -18,21 +18,11 @@ import bisect
 import os
 import threading
 from multiprocessing import shared_memory
-from typing import Protocol
 
 import torch
 
 PAGE_BYTES = 1 << 20
 _SHM_DIR = "/dev/shm"
-
-
-class HostBuffers(Protocol):
-    """Where a load puts an adapter's host image: `take` a buffer (None: allocate one yourself) and
-    `give_back` one that was not kept."""
-
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None: ...
-
-    def give_back(self, tensor: torch.Tensor, stream: torch.cuda.Stream | None = None) -> bool: ...
 
 
 class PinnedArena:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.adapters import AdapterSpec, load_adapter
-from engine.lora import AdapterWeights, LoRAStacks, SlotLayout
+from engine.adapters import AdapterSpec, load_layers_into
+from engine.lora import AdapterWeights, LoRAStacks, SlotLayout, image_groups
 from engine.pinned_arena import PinnedArena
 from engine.pool import AdapterPool
 from tests.unit.engine.tiny import TINY, write_adapter
@@ -60,7 +60,7 @@ def test_given_back_extents_merge_so_a_large_image_fits_again(make_arena: Callab
 
 
 class _ArenaLoader:
-    """Loads on a thread into `arena`, as loader processes load into a shared one (a `gate` holds loads)."""
+    """Loads on a thread into `arena` the way loader processes fill a shared one (a `gate` holds loads)."""
 
     def __init__(self, layout: SlotLayout, arena: PinnedArena) -> None:
         self.layout, self.arena = layout, arena
@@ -75,7 +75,11 @@ class _ArenaLoader:
         self.started.set()
         if self.gate is not None:
             self.gate.wait(10)
-        return load_adapter(spec, torch.float32, pin=False, layout=self.layout, arena=self.arena)
+        groups = image_groups(spec.modules)
+        image = self.arena.take(self.layout.image_size(groups, spec.rank), torch.float32)
+        assert image is not None
+        load_layers_into(spec, torch.float32, self.layout, image, range(self.layout.num_layers))
+        return AdapterWeights(spec.rank, spec.scaling, spec.modules, {}, image, groups)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
