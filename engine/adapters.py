@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,8 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
 )
+
+_FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 class AdapterError(ValueError):
@@ -103,7 +107,9 @@ def _check_weights_header(folder: Path, arch: ModelArch, rank: int) -> frozenset
                     raise AdapterError(f"{folder}: {key!r} targets layer {layer}, base has {arch.num_layers}")
                 fan_in, fan_out = shapes[module]
                 expected = [rank, fan_in] if which == "A" else [fan_out, rank]
-                shape = list(f.get_slice(key).get_shape())
+                info = f.get_slice(key)
+                _float_dtype(folder, key, info.get_dtype())
+                shape = list(info.get_shape())
                 if shape != expected:
                     raise AdapterError(
                         f"{folder}: {key!r} has shape {shape}, base model needs {expected} (wrong base model?)"
@@ -169,18 +175,17 @@ def load_layers_into(
     if the file is broken or no longer matches `spec`.
 
     Several loader processes fill one image side by side, each its own layers, reading only their tensors
-    from the memory-mapped file. A file truncated under the map kills its reader with SIGBUS: a loader
-    process may die (the next load starts new ones), the engine process must not, so its threads use
-    `load_adapter`.
+    from the memory-mapped file (`_mapped_layers`). A file truncated under the map kills its reader with
+    SIGBUS: a loader process may die (the next load starts new ones), the engine process must not, so its
+    threads use `load_adapter`.
     """
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
-    path = spec.path / WEIGHTS_FILE
     try:
-        with safe_open(str(path), framework="pt") as f:
-            wanted = [key for key in f.keys() if _layer_of(spec.path, key, layout.num_layers) in layers]
-            tensors = _pairs(spec.path, {key: f.get_tensor(key) for key in wanted})
-    except (SafetensorError, OSError) as exc:
+        tensors = _pairs(spec.path, _mapped_layers(spec.path, layout.num_layers, layers))
+    except AdapterError:
+        raise
+    except (SafetensorError, OSError, ValueError) as exc:  # ValueError: mmap of a file emptied meanwhile
         raise AdapterError(f"{spec.path}: cannot load {WEIGHTS_FILE} ({exc})") from exc
     changed = {module for _, module in tensors} - spec.modules
     if changed:
@@ -191,6 +196,51 @@ def load_layers_into(
         raise AdapterError(f"{spec.path}: {WEIGHTS_FILE} no longer fits its registered shapes ({exc})") from exc
     if not all(_all_finite(span) for span in spans):
         raise AdapterError(f"{spec.path}: {_non_finite(tensors, dtype)} contains NaN or infinite values (in {dtype})")
+
+
+def _mapped_layers(folder: Path, num_layers: int, layers: range) -> dict[str, torch.Tensor]:
+    """The file's tensors of `layers`, as views of a private memory map of it: packing them reads the page
+    cache directly, without first copying every tensor out of the file (which took as long as the packing).
+
+    safetensors parses and validates the header: names, dtypes, shapes, and tensors that lie back to back,
+    in `offset_keys` order, up to the end of the file. So a tensor starts where the ones before it end,
+    counted back from the file's end. The file is mapped through the handle it was checked by, and a path
+    that no longer names that file (replaced meanwhile) is refused.
+    """
+    from safetensors import safe_open
+
+    path = folder / WEIGHTS_FILE
+    with path.open("rb") as handle:
+        opened = os.fstat(handle.fileno())
+        with safe_open(str(path), framework="pt") as f:
+            slices = [(name, f.get_slice(name)) for name in f.offset_keys()]
+            entries = [(name, _float_dtype(folder, name, s.get_dtype()), s.get_shape()) for name, s in slices]
+        if _identity(os.stat(path)) != _identity(opened):
+            raise AdapterError(f"{folder}: {WEIGHTS_FILE} was replaced while it loaded")
+        mapped = mmap.mmap(handle.fileno(), opened.st_size, access=mmap.ACCESS_COPY)
+    data = torch.frombuffer(mapped, dtype=torch.uint8)
+    sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in entries]
+    offset = opened.st_size - sum(sizes)
+    tensors: dict[str, torch.Tensor] = {}
+    for (name, dtype, shape), size in zip(entries, sizes, strict=True):
+        if _layer_of(folder, name, num_layers) in layers:
+            raw = data[offset : offset + size]
+            if offset % dtype.itemsize:  # (the format does not promise aligned tensors: copy that one)
+                raw = raw.clone()
+            tensors[name] = raw.view(dtype).view(shape)
+        offset += size
+    return tensors
+
+
+def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+def _float_dtype(folder: Path, name: str, dtype: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name; AdapterError for one that is not floating point."""
+    if dtype not in _FLOAT_DTYPES:
+        raise AdapterError(f"{folder}: {name!r} holds {dtype}, not floating-point weights")
+    return _FLOAT_DTYPES[dtype]
 
 
 def _layer_of(folder: Path, key: str, num_layers: int) -> int:

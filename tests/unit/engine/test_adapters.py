@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -167,3 +170,76 @@ def test_a_part_refuses_a_file_changed_since_registration(tmp_path: Path) -> Non
     (tmp_path / "a" / "adapter_model.safetensors").write_bytes(b"\x00" * 10)
     with pytest.raises(AdapterError, match=r"cannot load adapter_model\.safetensors"):
         load_layers_into(spec, torch.float32, layout, image, range(0, 2))
+
+
+def test_weights_that_are_not_floating_point_are_refused_at_registration(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = write_adapter(tmp_path / "ints")
+    path = str(folder / "adapter_model.safetensors")
+    tensors = load_file(path)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    tensors[key] = tensors[key].to(torch.int32)
+    save_file(tensors, path)
+    with pytest.raises(AdapterError, match=rf"'{re.escape(key)}' holds I32, not floating-point weights"):
+        read_spec(folder, TINY, 16)
+
+
+def _write_safetensors_by_hand(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A safetensors file with the tensors in the given order, unpadded: the library's writer orders them so
+    that each lies aligned, which the format does not require of other writers."""
+    names = {torch.float16: "F16", torch.float32: "F32"}
+    header: dict[str, object] = {}
+    blobs, offset = [], 0
+    for name, tensor in tensors.items():
+        blob = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+        header[name] = {
+            "dtype": names[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + len(blob)],
+        }
+        blobs.append(blob)
+        offset += len(blob)
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + b"".join(blobs))
+
+
+def test_a_part_reads_tensors_the_file_stores_unaligned(tmp_path: Path) -> None:
+    """An fp16 tensor of an odd length puts the fp32 tensor after it off its 4-byte alignment in the mapped file."""
+    odd = dataclasses.replace(TINY, hidden_size=33)
+    folder = write_adapter(tmp_path / "odd", arch=odd, rank=3, modules=("q_proj",))
+    path = folder / "adapter_model.safetensors"
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    ordered = {name: t.half() if "lora_A" in name else t for name, t in sorted(tensors.items())}
+    _write_safetensors_by_hand(path, ordered)
+    layout = LoRAStacks(odd, 1, 4, torch.float32, torch.device("cpu"), fused=True).layout
+    assert layout is not None
+    spec = read_spec(folder, odd, 4)
+    whole = load_adapter(spec, torch.float32, pin=False, layout=layout).packed
+    assert whole is not None
+    image = _image(layout, spec, torch.float32)
+    load_layers_into(spec, torch.float32, layout, image, range(0, odd.num_layers))
+    torch.testing.assert_close(image, whole, rtol=0, atol=0)
+
+
+def test_a_part_refuses_a_file_replaced_while_it_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file is mapped through the handle its header was read by; a path that names another file by then
+    (an adapter directory updated in place) is refused rather than mixed."""
+    import engine.adapters as adapters
+
+    layout = LoRAStacks(TINY, 1, 8, torch.float32, torch.device("cpu"), fused=True).layout
+    assert layout is not None
+    spec = read_spec(write_adapter(tmp_path / "a", rank=4), TINY, 8)
+    real_stat = os.stat
+
+    def replaced(path: object) -> os.stat_result:
+        fields = list(real_stat(path))  # type: ignore[arg-type]
+        fields[1] += 1  # another inode
+        return os.stat_result(fields)
+
+    monkeypatch.setattr(adapters.os, "stat", replaced)
+    with pytest.raises(AdapterError, match="was replaced while it loaded"):
+        load_layers_into(spec, torch.float32, layout, _image(layout, spec, torch.float32), range(0, 2))
