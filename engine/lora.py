@@ -201,12 +201,15 @@ class LoRAStacks:
             self.h_offsets[key] = (sum(w for _, w in self.h_offsets.values()), a.shape[1])
         self.h_width = sum(w for _, w in self.h_offsets.values())
         self.layout = SlotLayout(arch.num_layers, max_rank, self.group_slices, group_fan_in) if fused else None
-        self.ranks = torch.zeros(slots, dtype=torch.int32, device=device)
         self.modules: frozenset[str] = frozenset(shapes)
-        # Rank per slot and group, 0 where the slot's adapter touches none of the group's projections: the
-        # CUDA kernels skip those (a captured graph applies every group, whatever the batch's adapters).
-        self.group_ranks = {g: torch.zeros(slots, dtype=torch.int32, device=device) for g in PROJECTION_GROUPS}
-        self.scalings = torch.zeros(slots, dtype=torch.float32, device=device)
+        # Per slot: its rank, its rank per group (0 where its adapter touches none of the group's projections:
+        # the CUDA kernels skip those, as a captured graph applies every group whatever the batch's adapters)
+        # and its scaling, as the rows of one int32 table (the scalings' row holds float32 bits). A slot's
+        # column is written by one asynchronous copy (`_write_slot`).
+        self._slot_table = torch.zeros(len(PROJECTION_GROUPS) + 2, slots, dtype=torch.int32, device=device)
+        self.ranks = self._slot_table[0]
+        self.group_ranks = {g: self._slot_table[1 + i] for i, g in enumerate(PROJECTION_GROUPS)}
+        self.scalings = self._slot_table[-1].view(torch.float32)
         # Host-side copies so the CPU path never synchronises to read a rank.
         self.slot_ranks = [0] * slots
         self.slot_scalings = [0.0] * slots
@@ -249,10 +252,7 @@ class LoRAStacks:
                 self._copy_packed(slot, adapter)
             else:
                 self._copy_loose(slot, adapter)
-            self.ranks[slot] = r
-            self.scalings[slot] = adapter.scaling
-            for group, ranks in self.group_ranks.items():
-                ranks[slot] = r if adapter.modules.intersection(PROJECTION_GROUPS[group]) else 0
+            self._write_slot(slot, r, adapter.scaling, adapter.modules)
         if stream is not None:
             event = torch.cuda.Event()
             event.record(stream)
@@ -260,6 +260,21 @@ class LoRAStacks:
         self.slot_ranks[slot] = r
         self.slot_scalings[slot] = adapter.scaling
         self.slot_modules[slot] = adapter.modules
+
+    def _write_slot(self, slot: int, rank: int, scaling: float, modules: frozenset[str]) -> None:
+        """Write `slot`'s column of the slot table on the current stream, without waiting for it.
+
+        One copy from page-locked memory: writing the device values one by one copied each from pageable
+        memory and synchronised its stream after each (12 times per fill and eviction), so the engine's
+        thread waited for the work queued before them."""
+        on_gpu = self._slot_table.is_cuda
+        column = torch.empty(self._slot_table.shape[0], dtype=torch.int32, pin_memory=on_gpu)
+        column[0] = rank
+        for i, members in enumerate(PROJECTION_GROUPS.values()):
+            column[1 + i] = rank if modules.intersection(members) else 0
+        column[-1:].view(torch.float32)[0] = scaling
+        # A page-locked source stays allocated until the copy has read it (torch's host allocator).
+        self._slot_table[:, slot].copy_(column, non_blocking=on_gpu)
 
     def _copy_packed(self, slot: int, adapter: AdapterWeights) -> None:
         # Per group, the slot of every layer is one strided view: copy the image into its first `rank`
@@ -334,10 +349,7 @@ class LoRAStacks:
         on the engine's thread (one per strided view)."""
         if self.layout is None:
             _zero(self._stale_views(slot, None))
-        self.ranks[slot] = 0
-        self.scalings[slot] = 0.0
-        for ranks in self.group_ranks.values():
-            ranks[slot] = 0
+        self._write_slot(slot, 0, 0.0, frozenset())
         self.slot_ranks[slot] = 0
         self.slot_scalings[slot] = 0.0
         self.slot_modules[slot] = frozenset()

@@ -1,0 +1,41 @@
+"""LoRA slot stacks on a CUDA GPU: filling and clearing a slot never makes the engine's thread wait for the GPU
+(skipped without CUDA)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.adapters import load_adapter, read_spec
+from engine.lora import LoRAStacks
+from tests.unit.engine.tiny import TINY, write_adapter
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_slot_fills_and_evictions_never_wait_for_the_gpu(tmp_path: Path) -> None:
+    """A fill and an eviction used to write the slot's rank, group ranks and scaling one device value at a
+    time, each copied from pageable memory and followed by a synchronisation of its stream (12 per fill and
+    eviction in a profile on an H200): while serving, one waits for the work queued before it."""
+    stacks = LoRAStacks(TINY, 2, 8, torch.bfloat16, torch.device("cuda"))
+    assert stacks.layout is not None
+    spec = read_spec(write_adapter(tmp_path / "a", rank=4, alpha=8, modules=("q_proj", "down_proj")), TINY, 8)
+    adapter = load_adapter(spec, torch.bfloat16, pin=True, layout=stacks.layout)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        stacks.set_lora(1, adapter)
+        stacks.reset_lora(0)
+        stacks.set_lora(0, adapter)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert stacks.ranks.tolist() == [4, 4]
+    group_ranks = {g: r.tolist() for g, r in stacks.group_ranks.items()}
+    assert group_ranks == {"qkv": [4, 4], "o": [0, 0], "gate_up": [0, 0], "down": [4, 4]}
+    assert stacks.scalings.tolist() == [2.0, 2.0]
+    stacks.reset_lora(1)
+    torch.cuda.synchronize()
+    assert stacks.ranks.tolist() == [4, 0] and stacks.scalings.tolist() == [2.0, 0.0]
