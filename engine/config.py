@@ -26,8 +26,8 @@ class EngineConfig:
     adapter_eviction: str = "frequency"  # LoRA slots: frequency (decayed frequency, recency, pinning) | lru
     # Where adapter files are read: thread | process (keeps the GIL free) | auto (process on CUDA, else thread)
     adapter_loader: str = "auto"
-    # Loader processes; with the shared arena one load is split over all of them by layers. 0 = auto: a
-    # quarter of the cores, 2 to 8.
+    # Loader processes; with the shared arena one load is split over all of them by layers. 0 = auto: half
+    # the cores, 2 to 8.
     adapter_loader_workers: int = 0
     # CUDA with loader processes: page-locked shared memory taken at start-up, which the loaders write host
     # images straight into (beyond it, each image is pinned alone)
@@ -73,11 +73,12 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= max_model_len (prompts are prefilled whole)")
 
     def loader_workers(self) -> int:
-        """`adapter_loader_workers`, resolved: a load split over more workers than a quarter of the cores
-        would compete with the engine's own threads."""
+        """`adapter_loader_workers`, resolved. Half the cores: on a 16-core H200 host 8 workers swapped an
+        adapter in 19.7 ms against 22.1 ms with 4 (bench/RESULTS-gpu.md); past 8, each worker's share of a
+        load is too small to pay for its own start and the engine's threads would have to compete."""
         if self.adapter_loader_workers:
             return self.adapter_loader_workers
-        return max(2, min(8, (os.cpu_count() or 1) // 4))
+        return max(2, min(8, (os.cpu_count() or 1) // 2))
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -43,7 +43,7 @@ def test_adapter_loader_workers_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     parser = build_parser()
     assert config_from(parser.parse_args(["--adapter-loader-workers", "3"])).loader_workers() == 3
     auto = config_from(parser.parse_args([]))
-    for cores, workers in ((2, 2), (16, 4), (128, 8)):  # a quarter of the cores, 2 to 8
+    for cores, workers in ((2, 2), (8, 4), (16, 8), (128, 8)):  # half the cores, 2 to 8
         monkeypatch.setattr("os.cpu_count", lambda cores=cores: cores)
         assert auto.loader_workers() == workers
     for bad in ("-1", "65"):  # 65 processes importing torch would only compete with the engine
