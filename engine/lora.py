@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -216,6 +217,7 @@ class LoRAStacks:
         self.slot_modules: list[frozenset[str]] = [frozenset()] * slots
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ready: list[torch.cuda.Event | None] = [None] * slots
+        self._fill_views: dict[tuple[int, tuple[str, ...], int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     @property
     def copy_stream(self) -> torch.cuda.Stream | None:
@@ -268,11 +270,9 @@ class LoRAStacks:
         memory and synchronised its stream after each (12 times per fill and eviction), so the engine's
         thread waited for the work queued before them."""
         on_gpu = self._slot_table.is_cuda
-        column = torch.empty(self._slot_table.shape[0], dtype=torch.int32, pin_memory=on_gpu)
-        column[0] = rank
-        for i, members in enumerate(PROJECTION_GROUPS.values()):
-            column[1 + i] = rank if modules.intersection(members) else 0
-        column[-1:].view(torch.float32)[0] = scaling
+        group_ranks = [rank if modules.intersection(members) else 0 for members in PROJECTION_GROUPS.values()]
+        (scaling_bits,) = struct.unpack("<i", struct.pack("<f", scaling))
+        column = torch.tensor([rank, *group_ranks, scaling_bits], dtype=torch.int32, pin_memory=on_gpu)
         # A page-locked source stays allocated until the copy has read it (torch's host allocator).
         self._slot_table[:, slot].copy_(column, non_blocking=on_gpu)
 
@@ -282,22 +282,33 @@ class LoRAStacks:
         # stale weights behind a group rank of 0, which the kernels skip.
         assert adapter.packed is not None and self.layout is not None
         staging = adapter.packed.to(self.ranks.device, non_blocking=True)
-        r, rmax = adapter.rank, self.max_rank
-        dst: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
-        padding: list[torch.Tensor] = []
-        images = self.layout.images(staging, adapter.packed_groups, r)
-        for group, (a_img, b_img) in zip(adapter.packed_groups, images, strict=True):
-            a = self._group_a_all[group][:, slot].unflatten(1, (a_img.shape[1], rmax))  # [L, members, rmax, in]
-            b = self._group_b_all[group][:, slot]  # [L, rmax, out]
-            dst += [a[:, :, :r], b[:, :r]]
-            src += [a_img, b_img]
-            if r < rmax:
-                padding += [a[:, :, r:], b[:, r:]]
+        r = adapter.rank
+        src = [t for pair in self.layout.images(staging, adapter.packed_groups, r) for t in pair]
+        dst, padding = self._slot_views(slot, adapter.packed_groups, r)
         if padding:
             torch._foreach_zero_(padding)
         if dst:
             torch._foreach_copy_(dst, src)
+
+    def _slot_views(
+        self, slot: int, groups: tuple[str, ...], rank: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Where an image of `groups` at `rank` goes in `slot` (A and B per group, as `SlotLayout.images`
+        orders them) and the rows past `rank` to zero. Made once per (slot, groups, rank): each view costs a
+        few microseconds of the engine thread's time, in every fill."""
+        key = (slot, groups, rank)
+        if key not in self._fill_views:
+            dst: list[torch.Tensor] = []
+            padding: list[torch.Tensor] = []
+            for group in groups:
+                members = len(PROJECTION_GROUPS[group])
+                a = self._group_a_all[group][:, slot].unflatten(1, (members, self.max_rank))  # [L, members, R, in]
+                b = self._group_b_all[group][:, slot]  # [L, R, out]
+                dst += [a[:, :, :rank], b[:, :rank]]
+                if rank < self.max_rank:
+                    padding += [a[:, :, rank:], b[:, rank:]]
+            self._fill_views[key] = (dst, padding)
+        return self._fill_views[key]
 
     def _copy_loose(self, slot: int, adapter: AdapterWeights) -> None:
         r = adapter.rank

@@ -170,3 +170,19 @@ def test_fused_slot_reset_then_refilled_from_loose_weights_holds_only_the_new_ad
         for module in ("q_proj", "k_proj", "v_proj"):
             torch.testing.assert_close(fused.a[(layer, module)][0], loose.a[(layer, module)][0])
             torch.testing.assert_close(fused.b[(layer, module)][0], loose.b[(layer, module)][0])
+
+
+def test_fused_fills_that_reuse_a_slots_views_write_each_adapter_whole() -> None:
+    """A slot's destination views are made once per (slot, groups, rank) and reused by later fills: a second
+    fill through them must overwrite everything the first wrote, and another slot's fill must not touch it."""
+    fused = LoRAStacks(TINY, slots=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"), fused=True)
+    modules = ("q_proj", "v_proj", "down_proj")
+    x, y = random_adapter(4, 1.5, modules, seed=11), random_adapter(4, 2.5, modules, seed=12)
+    fused.set_lora(0, fused.pack(x))
+    fused.set_lora(1, fused.pack(y))
+    fused.set_lora(0, fused.pack(y))
+    for layer in range(TINY.num_layers):
+        for module in modules:
+            torch.testing.assert_close(fused.a[(layer, module)][0], fused.a[(layer, module)][1])
+            torch.testing.assert_close(fused.b[(layer, module)][0, :, :4], y.tensors[(layer, module)][1])
+    assert fused.scalings.tolist() == [2.5, 2.5] and fused.ranks.tolist() == [4, 4]
