@@ -308,7 +308,7 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
         eng.run_until_idle()
         if TRACE:
             gc.callbacks.remove(on_gc)
-        if TRACE and arrivals == "cold":
+        if TRACE and arrivals.startswith("cold"):
             print(f"  [gaps {tag}] {len(gc_pauses)} GC runs, longest {max(gc_pauses, default=0) * 1e3:.1f} ms")
             slowest = sorted(range(len(out)), key=lambda i: -out[i])[: max(1, len(out) // 100)]
             by_iteration = {ended_in[i]: i for i in reversed(slowest)}  # one line per iteration, its longest gap
@@ -324,8 +324,10 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
     admin = ThreadPoolExecutor(max_workers=1, thread_name_prefix="admin")
 
     def join_cold(name: str, path: str, rid: str, params: SamplingParams) -> None:
+        t = time.perf_counter()
         eng.load_adapter(name, path, wait=False)
         eng.add_request(rid, prompt, params, name, lambda o: None)
+        register_s.append(time.perf_counter() - t)
 
     gaps("none", "warmup")
     steady, warm = gaps("none", "s"), gaps("warm", "w")
@@ -341,8 +343,14 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
         f"join and load {p99(cold) * 1e3:.2f} ms ({p99(cold) / p99(steady):.2f}x steady, "
         f"{p99(cold) / p99(warm):.2f}x the warm joins: the loads' own share)"
     )
+    if TRACE:
+        eng.step_trace = []
+        register_s.clear()
     elsewhere = gaps("cold-elsewhere", "e", first_path=24)
     admin.shutdown()
+    if TRACE:
+        print_trace(eng, "cold joins registered elsewhere")
+        print(f"  [cold joins elsewhere] register + add on the admin thread: max {max(register_s) * 1e3:.1f} ms")
     served = [v.requests_served if v is not None else 0 for v in (eng.pool.lookup(f"xce{j}") for j in range(12))]
     if served != [1] * 12:
         raise AssertionError(f"(d) the cold joins registered on another thread did not all run: {served}")

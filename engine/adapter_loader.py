@@ -1,4 +1,4 @@
-"""Where adapter files are read and prepared: threads of the engine process, or worker processes.
+"""Where adapter files are checked, read and prepared: threads of the engine process, or worker processes.
 
 Reading an adapter (safetensors parse, dtype conversion, packing into the slot layout) holds the GIL for
 milliseconds at a time. On a thread of the engine process that stalls the step loop, which is bound by
@@ -7,7 +7,7 @@ arena (`PinnedArena`, page-locked shared memory) the workers write the slot imag
 an extent the engine handed out, each worker its own share of the layers side by side, and nothing but
 their outcome comes back. Without one (or when it is full), the
 result comes back through torch's shared memory and the engine process copies it out, into pinned memory
-when a GPU will read it.
+when a GPU will read it. Registration's header check (`check`) runs in a worker too.
 """
 
 from __future__ import annotations
@@ -19,20 +19,28 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 from typing import Protocol, TypeVar
 
 import torch
 
-from engine.adapters import AdapterSpec, host_copy, load_adapter, load_layers_into
+from engine.adapters import AdapterSpec, host_copy, load_adapter, load_layers_into, read_spec
+from engine.config import ModelArch
 from engine.lora import AdapterWeights, SlotLayout, image_groups
 from engine.pinned_arena import PinnedArena, attach
 
 log = logging.getLogger("engine.adapter_loader")
 T = TypeVar("T")
+CHECK_TIMEOUT_S = 60.0  # a check waits behind queued loads; beyond this the caller gets a TimeoutError
 
 
 class AdapterLoader(Protocol):
-    """Reads adapters off the caller's thread; the future holds host weights or an AdapterError."""
+    """Checks adapters, and reads them off the caller's thread; the future holds host weights or an
+    AdapterError."""
+
+    def check(self, path: Path, arch: ModelArch, max_rank: int) -> AdapterSpec:
+        """`read_spec(path, arch, max_rank)`: the adapter's validated spec, or AdapterError saying why not."""
+        ...
 
     def submit(self, spec: AdapterSpec) -> Future[AdapterWeights]: ...
 
@@ -51,6 +59,9 @@ class ThreadLoader:
         self._dtype, self._layout = dtype, layout
         self._pin = torch.cuda.is_available()
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-load")
+
+    def check(self, path: Path, arch: ModelArch, max_rank: int) -> AdapterSpec:
+        return read_spec(path, arch, max_rank)
 
     def submit(self, spec: AdapterSpec) -> Future[AdapterWeights]:
         return self._executor.submit(read_adapter, spec, self._dtype, self._layout, self._pin)
@@ -101,6 +112,16 @@ class ProcessLoader:
                 self._executor.shutdown(wait=False, cancel_futures=True)
                 self._executor = self._start_workers()
                 return self._executor.submit(fn, *args)
+
+    def check(self, path: Path, arch: ModelArch, max_rank: int) -> AdapterSpec:
+        """`read_spec` in a worker, waited for. The header check is milliseconds of Python: on a thread of the
+        engine process (a gRPC handler's) it held the GIL that long, and the step loop, waiting for it,
+        doubled the inter-token gaps of running requests (bench/RESULTS-gpu.md). The queue is the loads'
+        one, so a check waits behind the loads submitted before it."""
+        try:
+            return self._run(read_spec, path, arch, max_rank).result(CHECK_TIMEOUT_S)
+        except BrokenProcessPool:  # a worker died meanwhile (maybe loading another adapter): once more
+            return self._run(read_spec, path, arch, max_rank).result(CHECK_TIMEOUT_S)
 
     def submit(self, spec: AdapterSpec) -> Future[AdapterWeights]:
         outer: Future[AdapterWeights] = Future()

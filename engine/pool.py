@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from engine.adapter_loader import AdapterLoader, ThreadLoader
-from engine.adapters import AdapterError, AdapterSpec, read_spec
+from engine.adapters import AdapterError, AdapterSpec
 from engine.config import ModelArch
 from engine.eviction import DecayedFrequencyPolicy, EvictionPolicy
 from engine.lora import AdapterWeights, LoRAStacks
@@ -117,12 +117,12 @@ class AdapterPool:
     # -- registration (any thread) -------------------------------------------------------------------
 
     def register(self, name: str, path: str | Path, pinned: bool = False) -> AdapterVersion:
-        """Validate the adapter (raises AdapterError) and make it the version of `name`.
+        """Validate the adapter (raises AdapterError; the loader's `check`) and make it the version of `name`.
 
         A first version is current at once (its requests wait for its load). A replacement is staged: the
         current version keeps serving until the new one's weights are loaded, then the name switches.
         """
-        spec = read_spec(path, self._arch, self._stacks.max_rank)
+        spec = self._loader.check(Path(path), self._arch, self._stacks.max_rank)
         version = AdapterVersion(name=name, spec=spec, pinned=pinned)
         with self._lock:
             old = self._by_name.get(name)

@@ -82,6 +82,20 @@ def test_bad_requests_are_refused_with_reasons(engine: LLMEngine) -> None:
     assert bad_ids.value.code == "INVALID_ARGUMENT"
 
 
+def test_an_adapter_check_that_times_out_is_deadline_exceeded(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A check queued behind many loads can time out: that is no reason to call the adapter invalid."""
+
+    def too_slow(*_: object) -> None:
+        raise TimeoutError
+
+    monkeypatch.setattr(engine.pool, "register", too_slow)
+    with pytest.raises(EngineError) as late:
+        engine.load_adapter("late", str(tmp_path))
+    assert late.value.code == "DEADLINE_EXCEEDED" and "'late'" in late.value.message
+
+
 def test_more_requests_than_kv_slots_wait_then_finish(engine: LLMEngine) -> None:
     prompt = chat(engine, "Say hello.")
     sinks = [run(engine, f"kv-{i}", prompt, SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(8)]

@@ -119,6 +119,30 @@ def test_process_loader_reports_a_broken_adapter(process_loaders: dict[str, Proc
     assert isinstance(error, AdapterError) and "NaN or infinite" in str(error)
 
 
+def test_process_loader_checks_adapters_as_read_spec_does(
+    process_loaders: dict[str, ProcessLoader], tmp_path: Path
+) -> None:
+    """Registration's header check runs in a worker (off the engine process's GIL): same spec, same errors."""
+    loader = process_loaders["shared"]
+    good = write_adapter(tmp_path / "good", modules=ALL7, rank=4)
+    assert loader.check(good, TINY, 8) == read_spec(good, TINY, 8)
+    with pytest.raises(AdapterError, match="exceeds the engine's max_lora_rank 2"):
+        loader.check(good, TINY, 2)
+    with pytest.raises(AdapterError, match=r"no adapter_config\.json"):
+        loader.check(tmp_path / "missing", TINY, 8)
+
+
+def test_a_check_after_the_workers_died_runs_on_new_ones(tmp_path: Path) -> None:
+    loader = ProcessLoader(torch.float32, None, workers=1)
+    try:
+        path = write_adapter(tmp_path / "a")
+        for process in list(loader._executor._processes.values()):  # type: ignore[attr-defined]
+            process.kill()
+        assert loader.check(path, TINY, 8) == read_spec(path, TINY, 8)
+    finally:
+        loader.close()
+
+
 def test_a_cancelled_process_load_stays_cancelled(process_loaders: dict[str, ProcessLoader], tmp_path: Path) -> None:
     spec = read_spec(write_adapter(tmp_path / "a"), TINY, 8)
     future = process_loaders["packed"].submit(spec)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.adapters import AdapterSpec, load_layers_into
+from engine.adapters import AdapterSpec, load_layers_into, read_spec
+from engine.config import ModelArch
 from engine.lora import AdapterWeights, LoRAStacks, SlotLayout, image_groups
 from engine.pinned_arena import PinnedArena
 from engine.pool import AdapterPool
@@ -67,6 +68,9 @@ class _ArenaLoader:
         self.gate: threading.Event | None = None
         self.started = threading.Event()
         self._executor = ThreadPoolExecutor(max_workers=1)
+
+    def check(self, path: Path, arch: ModelArch, max_rank: int) -> AdapterSpec:
+        return read_spec(path, arch, max_rank)
 
     def submit(self, spec: AdapterSpec) -> Future[AdapterWeights]:
         return self._executor.submit(self._load, spec)
