@@ -119,9 +119,17 @@ class ProcessLoader:
         doubled the inter-token gaps of running requests (bench/RESULTS-gpu.md). The queue is the loads'
         one, so a check waits behind the loads submitted before it."""
         try:
-            return self._run(read_spec, path, arch, max_rank).result(CHECK_TIMEOUT_S)
+            return self._checked(path, arch, max_rank)
         except BrokenProcessPool:  # a worker died meanwhile (maybe loading another adapter): once more
-            return self._run(read_spec, path, arch, max_rank).result(CHECK_TIMEOUT_S)
+            return self._checked(path, arch, max_rank)
+
+    def _checked(self, path: Path, arch: ModelArch, max_rank: int) -> AdapterSpec:
+        future = self._run(read_spec, path, arch, max_rank)
+        try:
+            return future.result(CHECK_TIMEOUT_S)
+        except TimeoutError:
+            future.cancel()  # still queued behind loads: then it never runs
+            raise
 
     def submit(self, spec: AdapterSpec) -> Future[AdapterWeights]:
         outer: Future[AdapterWeights] = Future()

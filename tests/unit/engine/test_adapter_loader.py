@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import engine.adapter_loader as loader_module
 from engine.adapter_loader import ProcessLoader, ThreadLoader
 from engine.adapters import AdapterError, read_spec
 from engine.lora import AdapterWeights, LoRAStacks
@@ -138,6 +139,21 @@ def test_a_check_after_the_workers_died_runs_on_new_ones(tmp_path: Path) -> None
         path = write_adapter(tmp_path / "a")
         for process in list(loader._executor._processes.values()):  # type: ignore[attr-defined]
             process.kill()
+        assert loader.check(path, TINY, 8) == read_spec(path, TINY, 8)
+    finally:
+        loader.close()
+
+
+def test_a_check_that_waits_too_long_times_out_and_the_next_one_runs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    loader = ProcessLoader(torch.float32, None, workers=1)
+    try:
+        path = write_adapter(tmp_path / "a")
+        monkeypatch.setattr(loader_module, "CHECK_TIMEOUT_S", 0.0)  # no answer from a worker is that fast
+        with pytest.raises(TimeoutError):
+            loader.check(path, TINY, 8)
+        monkeypatch.undo()
         assert loader.check(path, TINY, 8) == read_spec(path, TINY, 8)
     finally:
         loader.close()
