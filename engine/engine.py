@@ -285,7 +285,7 @@ class LLMEngine:
         except AdapterError as exc:
             raise EngineError("INVALID_ARGUMENT", str(exc)) from exc
         except TimeoutError as exc:  # a check or load queued behind many others: the adapter may still be fine
-            raise EngineError("DEADLINE_EXCEEDED", f"adapter {name!r}: {exc or 'its check timed out'}") from exc
+            raise EngineError("DEADLINE_EXCEEDED", str(exc) or f"adapter {name!r}: its check timed out") from exc
         self._wake()
         return version
 
