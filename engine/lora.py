@@ -202,6 +202,15 @@ class LoRAStacks:
             self.h_offsets[key] = (sum(w for _, w in self.h_offsets.values()), a.shape[1])
         self.h_width = sum(w for _, w in self.h_offsets.values())
         self.layout = SlotLayout(arch.num_layers, max_rank, self.group_slices, group_fan_in) if fused else None
+        # Fills stage a host image here (the largest an adapter can have) before copying it into its slot: one
+        # copy in, and the views of each (groups, rank) made once. A fresh device buffer and its views per fill
+        # cost the engine's thread 0.08 ms of a 0.2 ms fill (H200 host). Fills run in order on one stream, so
+        # the next fill's copy in waits for the last one's copies out.
+        self._staging: torch.Tensor | None = None
+        if self.layout is not None:
+            full = self.layout.image_size(PROJECTION_GROUPS, max_rank)
+            self._staging = torch.empty(full, dtype=dtype, device=device)
+        self._staging_views: dict[tuple[tuple[str, ...], int], list[torch.Tensor]] = {}
         self.modules: frozenset[str] = frozenset(shapes)
         # Per slot: its rank, its rank per group (0 where its adapter touches none of the group's projections:
         # the CUDA kernels skip those, as a captured graph applies every group whatever the batch's adapters)
@@ -280,15 +289,24 @@ class LoRAStacks:
         # Per group, the slot of every layer is one strided view: copy the image into its first `rank`
         # rows (A, and the rank-major B), zero the rest up to max rank. Groups the adapter leaves alone keep
         # stale weights behind a group rank of 0, which the kernels skip.
-        assert adapter.packed is not None and self.layout is not None
-        staging = adapter.packed.to(self.ranks.device, non_blocking=True)
+        assert adapter.packed is not None and self._staging is not None
+        self._staging[: adapter.packed.numel()].copy_(adapter.packed, non_blocking=True)
         r = adapter.rank
-        src = [t for pair in self.layout.images(staging, adapter.packed_groups, r) for t in pair]
+        src = self._staged_views(adapter.packed_groups, r)
         dst, padding = self._slot_views(slot, adapter.packed_groups, r)
         if padding:
             torch._foreach_zero_(padding)
         if dst:
             torch._foreach_copy_(dst, src)
+
+    def _staged_views(self, groups: tuple[str, ...], rank: int) -> list[torch.Tensor]:
+        """A and B of each of `groups` in the staging buffer, for an image of `rank` (made once)."""
+        key = (groups, rank)
+        if key not in self._staging_views:
+            assert self.layout is not None and self._staging is not None
+            images = self.layout.images(self._staging, groups, rank)
+            self._staging_views[key] = [t for pair in images for t in pair]
+        return self._staging_views[key]
 
     def _slot_views(
         self, slot: int, groups: tuple[str, ...], rank: int

@@ -199,7 +199,11 @@ class AdapterPool:
                 if slot is None:
                     return None
                 self.slot_misses += 1
-                self._stacks.set_lora(slot, version.weights)
+                try:
+                    self._stacks.set_lora(slot, version.weights)
+                except BaseException:
+                    self._stacks.reset_lora(slot)  # the evicted adapter's table entry must not stay behind
+                    raise
                 self._slots[slot] = version
                 version.slot = slot
                 self._eviction.on_insert(version.key, 1, time.monotonic())
@@ -275,7 +279,9 @@ class AdapterPool:
         self._eviction.on_remove(key)
         evicted.slot = None
         self._slots[slot] = None
-        self._stacks.reset_lora(slot)
+        # No reset: the fill that follows (`acquire`) replaces the slot whole, table entry included, and no
+        # step reads it meanwhile (its adapter was idle). Clearing it first cost every slot miss another table
+        # write on the engine's thread.
         self.evictions += 1
         return slot
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.adapters import AdapterError
-from engine.lora import LoRAStacks
+from engine.lora import LoRABatch, LoRAStacks
 from engine.pool import AdapterPool, AdapterState
 from tests.unit.engine.tiny import TINY, write_adapter
 
@@ -203,3 +203,45 @@ def test_a_version_unloaded_while_it_loads_is_dropped_when_the_load_ends(
     gate.set()
     assert version.settled.wait(10)
     assert version.retired and version.weights is None
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["loose", "fused"])
+def test_an_evicting_fill_leaves_nothing_of_the_evicted_adapter(tmp_path: Path, fused: bool) -> None:
+    """A slot miss evicts an idle adapter and fills its slot in one go (no reset between): the slot must then
+    hold exactly what a fill of an empty slot holds, whatever the evicted adapter's rank and projections."""
+    stacks = LoRAStacks(TINY, slots=1, max_rank=8, dtype=torch.float32, device=torch.device("cpu"), fused=fused)
+    fresh = LoRAStacks(TINY, slots=1, max_rank=8, dtype=torch.float32, device=torch.device("cpu"), fused=fused)
+    pool = AdapterPool(TINY, stacks, torch.float32, host_capacity=8)
+    try:
+        wide = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj")
+        old = _loaded(pool, "old", write_adapter(tmp_path / "old", rank=8, modules=wide, seed=1))
+        new = _loaded(pool, "new", write_adapter(tmp_path / "new", rank=2, modules=("k_proj",), seed=2))
+        assert pool.acquire(old) == 0
+        pool.release(old, tokens=1)
+        assert pool.acquire(new) == 0 and old.slot is None and pool.evictions == 1
+        assert new.weights is not None
+        fresh.set_lora(0, new.weights)
+        assert stacks.ranks.tolist() == fresh.ranks.tolist() == [2]
+        assert {g: r.tolist() for g, r in stacks.group_ranks.items()} == {
+            g: r.tolist() for g, r in fresh.group_ranks.items()
+        }
+        for layer in range(TINY.num_layers):
+            torch.testing.assert_close(stacks.a[(layer, "k_proj")], fresh.a[(layer, "k_proj")])
+            torch.testing.assert_close(stacks.b[(layer, "k_proj")], fresh.b[(layer, "k_proj")])
+            if not fused:  # loose stacks are zero wherever the new adapter has nothing
+                for module in wide:
+                    if module != "k_proj":
+                        assert torch.count_nonzero(stacks.a[(layer, module)]) == 0
+                        assert torch.count_nonzero(stacks.b[(layer, module)]) == 0
+        shapes = TINY.projection_shapes()
+        for module in ("q_proj", "k_proj", "down_proj"):  # what the kernels' path computes, token by token
+            fan_in, fan_out = shapes[module]
+            x = torch.randn(3, fan_in)
+            ys = [torch.zeros(3, fan_out), torch.zeros(3, fan_out)]
+            for s, y in zip((stacks, fresh), ys, strict=True):
+                batch = LoRABatch.build(s, [0, 0, -1], torch.device("cpu"))
+                assert batch is not None
+                batch.apply(0, module, x, y)
+            torch.testing.assert_close(ys[0], ys[1])
+    finally:
+        pool.close()
