@@ -1,7 +1,6 @@
 """Multi-LoRA on one GPU at Llama-7B shapes: the triton kernels against gather + torch.bmm, and their share
 of a whole decode layer. Run on a CUDA machine: `PYTHONPATH=. python3 bench/engine_gpu.py [--quick] [--sweep]`
-(--sweep tries launch shapes for per-token chunks first and uses the best; figures for both chunk heights,
-1 and 16, are printed side by side).
+(figures for both chunk heights, 1 and 16, are printed side by side; --sweep first runs (s)).
 
 (a) LoRA time per layer (shrink + expand of q, k, v, o, gate, up, down; q/k/v and gate/up fused), decode
     batch 64, rank 16: 64 distinct adapters, 1 adapter, 8 adapters x 8 tokens, and gather + bmm.
@@ -13,6 +12,8 @@ Every stack stores B as the engine does, rank-major (`[S, R, N]`, passed to the 
 (b) one decoder layer's decode step (KV length 512, SDPA, CUDA graph; eager separately): no LoRA,
     1 adapter, 64 distinct adapters, next to the bandwidth bound base_bytes / (base_bytes + adapter_bytes);
     with the current kernels and with the best latency variant of (l).
+(s) with --sweep: launch shapes of shrink and expand per chunk height, with the engine's latency options,
+    and the best of each half checked and timed beside the defaults (printed; the sections keep the defaults).
 (l) latency options of the separate kernels (`engine.kernels_triton`): current, +PDL (programmatic dependent
     launch), +short chain, +both, per mix and chunk height, as ratios to current. `--pdl-only` runs just (l)
     and (b) (a few minutes on an H200, most of it compiling).
@@ -458,34 +459,73 @@ def section_latency(args: argparse.Namespace, bw: float) -> dict[int, Variant]:
     return best
 
 
-def sweep(stack: LayerStack, scen: dict[str, list[int]], quick: bool) -> Configs:
-    """Time shrink and expand configurations apart (64 distinct + 1 adapter) and keep the best of each."""
-    print(f"  sweep, chunks of {stack.block_m} (us/layer: 64 distinct, 1 adapter)")
-    best_s: tuple[float, kt.ShrinkConfig] | None = None
-    for bk, br, warps in itertools.product((64, 128, 256), (16, 64), (4, 8)):
-        cfg = Configs(shrink=kt.ShrinkConfig(block_k=bk, block_r=br, num_warps=warps, programs_per_sm=8))
-        t = []
-        for name in ("64 distinct", "1 adapter"):
-            stack.use(scen[name])
-            t.append(stack.per_layer_us(partial(_run, plan=stack.plan, cfg=cfg, expand=False), quick))
-        print(f"    shrink {cfg.shrink}: {t[0]:6.1f} {t[1]:6.1f}")
-        if best_s is None or sum(t) < best_s[0]:
-            best_s = (sum(t), cfg.shrink)
-    assert best_s is not None
-    best_e: tuple[float, kt.ExpandConfig] | None = None
-    for bn, warps, pps in itertools.product((512, 1024, 2048), (4, 8), (2, 4, 8)):
-        cfg = Configs(shrink=best_s[1], expand=kt.ExpandConfig(block_n=bn, num_warps=warps, programs_per_sm=pps))
-        t = []
-        for name in ("64 distinct", "1 adapter"):
-            stack.use(scen[name])
-            t.append(stack.per_layer_us(partial(_run, plan=stack.plan, cfg=cfg, shrink=False), quick))
-        print(f"    expand {cfg.expand}: {t[0]:6.1f} {t[1]:6.1f}")
-        if best_e is None or sum(t) < best_e[0]:
-            best_e = (sum(t), cfg.expand)
-    assert best_e is not None
-    print(f"  best: {best_s[1]} {best_e[1]}")
-    SUMMARY.append(f"sweep best: {best_s[1]} {best_e[1]}")
-    return Configs(best_s[1], best_e[1])
+SHRINK_GRID: dict[str, tuple[int, ...]] = {
+    "block_k": (128, 256, 512),
+    "num_warps": (2, 4, 8),
+    "programs_per_sm": (4, 8, 16),
+}
+EXPAND_GRID: dict[str, tuple[int, ...]] = {
+    "block_n": (512, 1024, 2048),
+    "num_warps": (2, 4, 8),
+    "programs_per_sm": (2, 4, 8),
+}
+
+
+def _grid(grid: dict[str, tuple[int, ...]]) -> list[dict[str, int]]:
+    return [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
+
+
+def _mix_times(
+    stack: LayerStack, scen: dict[str, list[int]], cfg: Configs, quick: bool, shrink: bool = True, expand: bool = True
+) -> dict[str, float]:
+    """us per layer of `cfg` for each mix (either half alone, or both)."""
+    out = {}
+    for name, slots in scen.items():
+        stack.use(slots)
+        out[name] = stack.per_layer_us(partial(_run, plan=stack.plan, cfg=cfg, shrink=shrink, expand=expand), quick)
+    return out
+
+
+def _show(block_m: int, label: str, times: dict[str, float], is_default: bool) -> None:
+    cells = " ".join(f"{t:6.1f}" for t in times.values())
+    print(f"  chunks of {block_m:2d} {label}: {cells}{'  <- default' if is_default else ''}")
+
+
+def section_sweep(args: argparse.Namespace) -> None:
+    """(s) launch shapes of shrink and of expand, each half timed alone, per chunk height, with the latency
+    options the engine runs with (PDL, short chain); the best of each half (by its sum over the three mixes)
+    is then checked and timed beside the defaults. Prints only: the sections keep the defaults."""
+    print("\n(s) launch-shape sweep, us per layer (64 distinct, 1 adapter, 8x8), latency options on")
+    layers = 2 if args.quick else 4
+    scen = scenario_slots()
+    for block_m in (1, 16):
+        stack = LayerStack([RANK] * SLOTS, RANK, layers, block_m)
+        defaults = Configs(*kt.default_configs(block_m), variant=DEFAULTS)
+        shrinks: list[tuple[float, kt.ShrinkConfig]] = []
+        for fields in _grid(SHRINK_GRID):
+            sc = replace(defaults.shrink, **fields)
+            t = _mix_times(stack, scen, replace(defaults, shrink=sc), args.quick, expand=False)
+            _show(block_m, f"shrink {fields}", t, sc == defaults.shrink)
+            shrinks.append((sum(t.values()), sc))
+        expands: list[tuple[float, kt.ExpandConfig]] = []
+        for fields in _grid(EXPAND_GRID):
+            ec = replace(defaults.expand, **fields)
+            t = _mix_times(stack, scen, replace(defaults, expand=ec), args.quick, shrink=False)
+            _show(block_m, f"expand {fields}", t, ec == defaults.expand)
+            expands.append((sum(t.values()), ec))
+        best = replace(defaults, shrink=min(shrinks, key=lambda r: r[0])[1], expand=min(expands, key=lambda r: r[0])[1])
+        for name, slots in scen.items():
+            stack.use(slots)
+            check_lora(stack.loras[0], slots, partial(_run, stack.loras[0], plan=stack.plan, cfg=best), f"best {name}")
+        t_default, t_best = _mix_times(stack, scen, defaults, args.quick), _mix_times(stack, scen, best, args.quick)
+        _show(block_m, "defaults, shrink + expand", t_default, True)
+        _show(block_m, f"best halves together {best.shrink} {best.expand}", t_best, False)
+        SUMMARY.append(
+            f"(s) chunks of {block_m:2d}: best halves together / defaults: "
+            + ", ".join(f"{n} x{t_best[n] / t_default[n]:.2f}" for n in scen)
+        )
+        del stack
+        torch.cuda.empty_cache()
 
 
 # (c) before B was stored rank-major (bench/RESULTS-gpu.md, session 2026-12-02 (second), default latency
@@ -753,7 +793,7 @@ def grouped_lora_hook(name: str, x: torch.Tensor, y: torch.Tensor, *, lora: Laye
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer layers and repeats")
-    parser.add_argument("--sweep", action="store_true", help="try kernel configurations first, use the best")
+    parser.add_argument("--sweep", action="store_true", help="(s) first: sweep launch shapes, print the best")
     parser.add_argument("--only", default="albc", help="sections to run, e.g. 'ab'")
     parser.add_argument("--pdl-only", action="store_true", help="only (l), the latency options, and then (b)")
     args = parser.parse_args()
@@ -769,6 +809,12 @@ def main() -> None:
     # (b) and (c) run the separate shrink + expand kernels: (a) measured them faster than the fused one.
     configs = {block_m: Configs(*kt.default_configs(block_m)) for block_m in (1, 16)}
     failed = False
+    if args.sweep:
+        try:
+            section_sweep(args)
+        except Exception:
+            traceback.print_exc()
+            failed = True
     if "a" in args.only:
         try:
             section_kernels(args, bw)
