@@ -501,19 +501,15 @@ def section_sweep(args: argparse.Namespace) -> None:
     for block_m in (1, 16):
         stack = LayerStack([RANK] * SLOTS, RANK, layers, block_m)
         defaults = Configs(*kt.default_configs(block_m), variant=DEFAULTS)
-        shrinks: list[tuple[float, kt.ShrinkConfig]] = []
-        for fields in _grid(SHRINK_GRID):
-            sc = replace(defaults.shrink, **fields)
-            t = _mix_times(stack, scen, replace(defaults, shrink=sc), args.quick, expand=False)
-            _show(block_m, f"shrink {fields}", t, sc == defaults.shrink)
-            shrinks.append((sum(t.values()), sc))
-        expands: list[tuple[float, kt.ExpandConfig]] = []
-        for fields in _grid(EXPAND_GRID):
-            ec = replace(defaults.expand, **fields)
-            t = _mix_times(stack, scen, replace(defaults, expand=ec), args.quick, shrink=False)
-            _show(block_m, f"expand {fields}", t, ec == defaults.expand)
-            expands.append((sum(t.values()), ec))
-        best = replace(defaults, shrink=min(shrinks, key=lambda r: r[0])[1], expand=min(expands, key=lambda r: r[0])[1])
+        best = defaults
+        for half, grid in (("shrink", SHRINK_GRID), ("expand", EXPAND_GRID)):
+            tried: list[tuple[float, Configs]] = []
+            for fields in _grid(grid):
+                cfg = replace(defaults, **{half: replace(getattr(defaults, half), **fields)})
+                t = _mix_times(stack, scen, cfg, args.quick, shrink=half == "shrink", expand=half == "expand")
+                _show(block_m, f"{half} {fields}", t, cfg == defaults)
+                tried.append((sum(t.values()), cfg))
+            best = replace(best, **{half: getattr(min(tried, key=lambda r: r[0])[1], half)})
         for name, slots in scen.items():
             stack.use(slots)
             check_lora(stack.loras[0], slots, partial(_run, stack.loras[0], plan=stack.plan, cfg=best), f"best {name}")
