@@ -3,7 +3,9 @@ of a whole decode layer. Run on a CUDA machine: `PYTHONPATH=. python3 bench/engi
 (figures for both chunk heights, 1 and 16, are printed side by side; --sweep first runs (s)).
 
 (a) LoRA time per layer (shrink + expand of q, k, v, o, gate, up, down; q/k/v and gate/up fused), decode
-    batch 64, rank 16: 64 distinct adapters, 1 adapter, 8 adapters x 8 tokens, and gather + bmm.
+    batch 64, rank 16: 64 distinct adapters, 1 adapter, 8 adapters x 8 tokens, and gather + bmm. Layers
+    run 4 (2 with --quick) to a graph, their shrink outputs zeroed by one memset per replay, as the engine
+    zeroes them once per step (`LayerStack`; figures before 2026-12-03 had a memset per layer).
 (c) mixed ranks {8, 16, 32, 64} in one rank-64 stack against uniform rank 16, at equal adapter bytes, with the
     kernels' default latency options, next to the ratios measured before B was stored rank-major; the mix is
     also run with out-major B side by side. `--only c` runs just (c) (`--quick`: 2 layers, shorter timing).
@@ -77,6 +79,9 @@ class LayerLoRA:
     ys: dict[str, torch.Tensor] = field(default_factory=dict)
     h: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # fp32 [projections, T, max L*R]
     cpu: dict[str, torch.Tensor] = field(default_factory=dict)  # host copies for the reference, made once
+    # Whether the layer's launches zero h themselves (one memset per layer), or whoever runs the layers
+    # zeroes all of theirs at once, as the engine does once per step (`LayerStack`).
+    zeroes_own_h: bool = True
 
     def h_of(self, index: int, lr: int) -> torch.Tensor:
         return self.h[index, :, :lr]
@@ -101,7 +106,7 @@ def make_lora(slot_ranks: Sequence[int], max_rank: int, rank_major: bool = True)
         lora.b[p.name] = store.contiguous().transpose(1, 2) if rank_major else store.transpose(1, 2).contiguous()
         lora.xs[p.name] = torch.randn(BATCH, p.k, device=DEV).to(DTYPE)
         lora.ys[p.name] = torch.randn(BATCH, sum(p.slices), device=DEV).to(DTYPE)
-    # One workspace for the layer's h, zeroed by one memset per layer (an engine can zero once per step).
+    # One workspace for the layer's h: zeroed by the layer's own launches, or with the other layers' at once.
     lora.h = torch.zeros(len(PROJS) + 3, BATCH, 3 * max_rank, device=DEV)
     return lora
 
@@ -140,8 +145,9 @@ class Configs:
 def lora_triton(
     lora: LayerLoRA, plan: lora_plan.SegmentPlan, cfg: Configs, shrink: bool = True, expand: bool = True
 ) -> None:
-    """The layer's 4 shrink + 4 expand launches (and the h memset); either half alone for the sweep."""
-    if shrink:
+    """The layer's 4 shrink + 4 expand launches (and the h memset, unless the caller zeroes h); either half
+    alone for the sweep."""
+    if shrink and lora.zeroes_own_h:
         lora.h.zero_()
     options = {"pdl": cfg.variant.pdl, "short_chain": cfg.variant.short_chain}
     for i, p in enumerate(PROJS):
@@ -208,7 +214,8 @@ TARGETS = {"64 distinct": 65.0, "1 adapter": 20.0, "8x8": 30.0}
 
 def lora_unfused(lora: LayerLoRA, plan: lora_plan.SegmentPlan, cfg: Configs) -> None:
     """The same work as 7 separate projections (14 launches), to show what fusing the slices buys."""
-    lora.h.zero_()
+    if lora.zeroes_own_h:
+        lora.h.zero_()
     index = 0
     for p in PROJS:
         r = lora.b[p.name].shape[2]
@@ -253,6 +260,7 @@ def check_lora(lora: LayerLoRA, token_slots: list[int], run: Callable[[], None],
     for v in lora.ys.values():
         v.normal_()  # timing replays keep adding into y; start from values of order 1 again
     saved = {k: v.clone() for k, v in lora.ys.items()}
+    lora.h.zero_()  # `run` may leave that to whoever runs the layers
     run()
     torch.cuda.synchronize()
     slots = torch.tensor(token_slots, dtype=torch.int32)
@@ -325,12 +333,17 @@ def scenario_slots() -> dict[str, list[int]]:
 
 
 class LayerStack:
-    """`layers` independent layers' adapters, replayed as one graph so that L2 holds none of them."""
+    """`layers` independent layers' adapters, replayed as one graph so that L2 holds none of them. Their h
+    workspaces are one buffer, zeroed by one memset per replay, as the engine zeroes one per step for all
+    its layers (until 2026-12-03 the bench zeroed each layer's: 2.3-3.7 us of each layer's time)."""
 
     def __init__(
         self, slot_ranks: Sequence[int], max_rank: int, layers: int, block_m: int = 16, rank_major: bool = True
     ):
         self.loras = [make_lora(slot_ranks, max_rank, rank_major) for _ in range(layers)]
+        self.h = torch.zeros(layers, *self.loras[0].h.shape, device=DEV)
+        for lora, h in zip(self.loras, self.h, strict=True):
+            lora.h, lora.zeroes_own_h = h, False
         self.capacity = lora_plan.chunk_capacity(BATCH, len(slot_ranks), block_m)
         self.block_m = block_m
         self.plan = lora_plan.plan_segments(list(range(BATCH)), DEV, block_m=block_m, num_chunks=self.capacity)
@@ -338,15 +351,19 @@ class LayerStack:
     def use(self, token_slots: list[int]) -> None:
         self.plan.copy_(lora_plan.plan_segments(token_slots, DEV, block_m=self.block_m, num_chunks=self.capacity))
 
-    def graph(self, fn: Callable[[LayerLoRA], None]) -> torch.cuda.CUDAGraph:
+    def graph(self, fn: Callable[[LayerLoRA], None], uses_h: bool = True) -> torch.cuda.CUDAGraph:
+        """One replay runs `fn` on every layer; `uses_h`: after one memset of every layer's h."""
+
         def all_layers() -> None:
+            if uses_h:
+                self.h.zero_()
             for lora in self.loras:
                 fn(lora)
 
         return graph_of(all_layers)
 
-    def per_layer_us(self, fn: Callable[[LayerLoRA], None], quick: bool) -> float:
-        return median_us(self.graph(fn).replay, quick) / len(self.loras)
+    def per_layer_us(self, fn: Callable[[LayerLoRA], None], quick: bool, uses_h: bool = True) -> float:
+        return median_us(self.graph(fn, uses_h).replay, quick) / len(self.loras)
 
 
 def section_kernels(args: argparse.Namespace, bw: float) -> dict[int, kernels_fused.FusedConfig]:
@@ -379,7 +396,9 @@ def section_kernels(args: argparse.Namespace, bw: float) -> dict[int, kernels_fu
                 stack.use(slots)
                 label = f"{name} m{block_m} fused {fcfg}"
                 check_lora(stack.loras[0], slots, partial(_run_fused, stack.loras[0], plan=stack.plan, cfg=fcfg), label)
-                times[name] = stack.per_layer_us(partial(_run_fused, plan=stack.plan, cfg=fcfg), args.quick)
+                times[name] = stack.per_layer_us(
+                    partial(_run_fused, plan=stack.plan, cfg=fcfg), args.quick, uses_h=False
+                )
                 if name not in best_fused or times[name] < best_fused[name][0]:
                     best_fused[name] = (times[name], block_m, fcfg)
             print(f"  chunks of {block_m:2d}: fused {fcfg}: " + ", ".join(f"{n} {t:6.1f}" for n, t in times.items()))
@@ -390,7 +409,7 @@ def section_kernels(args: argparse.Namespace, bw: float) -> dict[int, kernels_fu
             slots_t = torch.tensor(scen["64 distinct"], dtype=torch.int32, device=DEV)
             stack.use(scen["64 distinct"])
             check_lora(stack.loras[0], scen["64 distinct"], partial(lora_bmm, stack.loras[0], slots_t), "gather+bmm")
-            bmm = stack.per_layer_us(partial(lora_bmm, slots=slots_t), args.quick)
+            bmm = stack.per_layer_us(partial(lora_bmm, slots=slots_t), args.quick, uses_h=False)
             print(f"  gather + torch.bmm, 64 distinct: {bmm:7.1f} us/layer")
         del stack
         torch.cuda.empty_cache()
@@ -482,7 +501,8 @@ def _mix_times(
     out = {}
     for name, slots in scen.items():
         stack.use(slots)
-        out[name] = stack.per_layer_us(partial(_run, plan=stack.plan, cfg=cfg, shrink=shrink, expand=expand), quick)
+        run = partial(_run, plan=stack.plan, cfg=cfg, shrink=shrink, expand=expand)
+        out[name] = stack.per_layer_us(run, quick, uses_h=shrink)  # expand alone needs no zeroed h
     return out
 
 
@@ -575,7 +595,7 @@ def section_mixed(args: argparse.Namespace, configs: dict[int, Configs], bw: flo
             if name in (base, goal, out_major):
                 halves[name] = (
                     stack.per_layer_us(partial(_run, plan=stack.plan, cfg=cfg, expand=False), args.quick),
-                    stack.per_layer_us(partial(_run, plan=stack.plan, cfg=cfg, shrink=False), args.quick),
+                    stack.per_layer_us(partial(_run, plan=stack.plan, cfg=cfg, shrink=False), args.quick, uses_h=False),
                 )
             nbytes = sum(adapter_bytes(r) for r in ranks) + activation_bytes()
             ratio = times[name] / times[base]
