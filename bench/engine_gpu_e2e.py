@@ -27,7 +27,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.pool import AdapterVersion
+from engine.pool import AdapterState, AdapterVersion
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 from tests.support.random_model import write_random_llama
@@ -216,6 +216,8 @@ def section_cold_start(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
         eng.step_trace = []
     for i in range(1, 6):  # interleaved so drift hits all four alike
         warm.append(ttft(eng, f"w{i}", prompt, "warm"))
+        version = eng.pool.lookup(f"h{i}")
+        assert version is not None and version.state is AdapterState.HOST  # in host memory, in no slot
         host.append(ttft(eng, f"hq{i}", prompt, f"h{i}"))
         eng.load_adapter(f"f{i}", str(paths[5 + i]), wait=True)
         fresh.append(ttft(eng, f"fq{i}", prompt, f"f{i}"))
