@@ -79,9 +79,6 @@ class LayerLoRA:
     ys: dict[str, torch.Tensor] = field(default_factory=dict)
     h: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # fp32 [projections, T, max L*R]
     cpu: dict[str, torch.Tensor] = field(default_factory=dict)  # host copies for the reference, made once
-    # Whether the layer's launches zero h themselves (one memset per layer), or whoever runs the layers
-    # zeroes all of theirs at once, as the engine does once per step (`LayerStack`).
-    zeroes_own_h: bool = True
 
     def h_of(self, index: int, lr: int) -> torch.Tensor:
         return self.h[index, :, :lr]
@@ -106,7 +103,7 @@ def make_lora(slot_ranks: Sequence[int], max_rank: int, rank_major: bool = True)
         lora.b[p.name] = store.contiguous().transpose(1, 2) if rank_major else store.transpose(1, 2).contiguous()
         lora.xs[p.name] = torch.randn(BATCH, p.k, device=DEV).to(DTYPE)
         lora.ys[p.name] = torch.randn(BATCH, sum(p.slices), device=DEV).to(DTYPE)
-    # One workspace for the layer's h: zeroed by the layer's own launches, or with the other layers' at once.
+    # One workspace for the layer's h; `LayerStack` makes it part of one buffer for all its layers.
     lora.h = torch.zeros(len(PROJS) + 3, BATCH, 3 * max_rank, device=DEV)
     return lora
 
@@ -145,10 +142,8 @@ class Configs:
 def lora_triton(
     lora: LayerLoRA, plan: lora_plan.SegmentPlan, cfg: Configs, shrink: bool = True, expand: bool = True
 ) -> None:
-    """The layer's 4 shrink + 4 expand launches (and the h memset, unless the caller zeroes h); either half
-    alone for the sweep."""
-    if shrink and lora.zeroes_own_h:
-        lora.h.zero_()
+    """The layer's 4 shrink + 4 expand launches into a zeroed h (`LayerStack` zeroes every layer's at once, as
+    the engine does once per step); either half alone for the sweep."""
     options = {"pdl": cfg.variant.pdl, "short_chain": cfg.variant.short_chain}
     for i, p in enumerate(PROJS):
         h = lora.h_of(i, lora.a[p.name].shape[1])
@@ -212,24 +207,6 @@ FUSED_CANDIDATES: dict[int, tuple[kernels_fused.FusedConfig, ...]] = {
 TARGETS = {"64 distinct": 65.0, "1 adapter": 20.0, "8x8": 30.0}
 
 
-def lora_unfused(lora: LayerLoRA, plan: lora_plan.SegmentPlan, cfg: Configs) -> None:
-    """The same work as 7 separate projections (14 launches), to show what fusing the slices buys."""
-    if lora.zeroes_own_h:
-        lora.h.zero_()
-    index = 0
-    for p in PROJS:
-        r = lora.b[p.name].shape[2]
-        n0 = 0
-        for sl, n in enumerate(p.slices):
-            a = lora.a[p.name][:, sl * r : (sl + 1) * r]
-            h = lora.h_of(index, r)
-            kt.shrink(lora.xs[p.name], a, lora.ranks, plan, h, config=cfg.shrink)
-            y = lora.ys[p.name][:, n0 : n0 + n]
-            kt.expand(y, h, lora.b[p.name][:, n0 : n0 + n], lora.ranks, lora.scalings, plan, config=cfg.expand)
-            n0 += n
-            index += 1
-
-
 def lora_bmm(lora: LayerLoRA, slots: torch.Tensor) -> None:
     """Baseline: gather every token's A and B ([T, R, K], [T, N, R] copies), then two torch.bmm."""
     scale = lora.scalings[slots.long()][:, None]
@@ -260,7 +237,7 @@ def check_lora(lora: LayerLoRA, token_slots: list[int], run: Callable[[], None],
     for v in lora.ys.values():
         v.normal_()  # timing replays keep adding into y; start from values of order 1 again
     saved = {k: v.clone() for k, v in lora.ys.items()}
-    lora.h.zero_()  # `run` may leave that to whoever runs the layers
+    lora.h.zero_()  # the layer runs leave that to whoever runs them (`LayerStack`)
     run()
     torch.cuda.synchronize()
     slots = torch.tensor(token_slots, dtype=torch.int32)
@@ -343,7 +320,7 @@ class LayerStack:
         self.loras = [make_lora(slot_ranks, max_rank, rank_major) for _ in range(layers)]
         self.h = torch.zeros(layers, *self.loras[0].h.shape, device=DEV)
         for lora, h in zip(self.loras, self.h, strict=True):
-            lora.h, lora.zeroes_own_h = h, False
+            lora.h = h
         self.capacity = lora_plan.chunk_capacity(BATCH, len(slot_ranks), block_m)
         self.block_m = block_m
         self.plan = lora_plan.plan_segments(list(range(BATCH)), DEV, block_m=block_m, num_chunks=self.capacity)
