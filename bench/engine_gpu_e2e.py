@@ -255,13 +255,17 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
     while cold-adapter requests join (their adapters load from disk meanwhile). Cold adapters are registered
     as their requests arrive, once on the stepping thread itself and once on another thread, as the
     server's gRPC handlers do: the first puts the registration's header check (milliseconds of Python) into
-    a gap of every running request, which a server's step loop never runs."""
-    paths = b.adapters(eng, "x", 36)
+    a gap of every running request, which a server's step loop never runs. Then again with the 16 running
+    requests on adapters, as a LoRA gateway's are: requests on those adapters join, and cold ones."""
+    paths = b.adapters(eng, "x", 48)
     for i in range(12):
         eng.load_adapter(f"xw{i}", str(paths[i]), wait=True)
         ttft(eng, f"xwarm{i}", prompt, f"xw{i}")
 
-    def gaps(arrivals: str, tag: str, first_path: int = 12) -> list[float]:
+    def gaps(arrivals: str, tag: str, first_path: int = 12, running_on: list[str] | None = None) -> list[float]:
+        """Others' gaps: 16 requests (base, or round-robin on the adapters `running_on`) while 12 requests
+        join one every 4 steps (`arrivals`: none, warm, cold, cold-elsewhere, or running: on the running
+        requests' own adapters)."""
         last: dict[str, float] = {}
         out: list[float] = []
         ended_in: list[int] = []  # the loop iteration in which each gap ended (--trace)
@@ -274,6 +278,13 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
                     out.append(now - last[rid])
                     ended_in.append(k)
                 last[rid] = now
+
+            return record
+
+        def joiner_sink(sent: float) -> Callable[[RequestOutput], None]:
+            def record(o: RequestOutput) -> None:
+                if o.token_ids and o.completion_tokens == 1:
+                    joiner_ttft.setdefault(tag, []).append(time.perf_counter() - sent)
 
             return record
 
@@ -291,13 +302,14 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
             gc.callbacks.append(on_gc)
         for i in range(16):
             rid = f"bg{tag}{i}"
-            eng.add_request(rid, prompt, SamplingParams(max_tokens=80, ignore_eos=True), None, sink(rid))
+            own = running_on[i % len(running_on)] if running_on else None
+            eng.add_request(rid, prompt, SamplingParams(max_tokens=80, ignore_eos=True), own, sink(rid))
         k = 0
         while eng.scheduler.running or eng.scheduler.waiting or k == 0:
             t0 = time.perf_counter()
             if arrivals != "none" and k % 4 == 2 and k // 4 < 12:
                 j = k // 4
-                name = f"xw{j}" if arrivals == "warm" else f"xc{tag}{j}"
+                name = {"warm": f"xw{j}", "running": f"xw{j % 4}"}.get(arrivals, f"xc{tag}{j}")
                 params = SamplingParams(max_tokens=4, ignore_eos=True)
                 if arrivals == "cold-elsewhere":  # register, then request, on an admin thread
                     joins.append(admin.submit(join_cold, name, str(paths[first_path + j]), f"xq{tag}{k}", params))
@@ -306,7 +318,7 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
                         t = time.perf_counter()
                         eng.load_adapter(name, str(paths[first_path + j]), wait=False)
                         register_s.append(time.perf_counter() - t)
-                    eng.add_request(f"xq{tag}{k}", prompt, params, name, lambda o: None)
+                    eng.add_request(f"xq{tag}{k}", prompt, params, name, joiner_sink(time.perf_counter()))
             t1 = time.perf_counter()
             eng._drain_commands()
             t2 = time.perf_counter()
@@ -335,6 +347,7 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
         return out
 
     register_s: list[float] = []
+    joiner_ttft: dict[str, list[float]] = {"w": [], "c": []}  # joining requests' own TTFT (warm, cold)
     admin = ThreadPoolExecutor(max_workers=1, thread_name_prefix="admin")
 
     def join_cold(name: str, path: str, rid: str, params: SamplingParams) -> None:
@@ -357,21 +370,42 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
         f"join and load {p99(cold) * 1e3:.2f} ms ({p99(cold) / p99(steady):.2f}x steady, "
         f"{p99(cold) / p99(warm):.2f}x the warm joins: the loads' own share)"
     )
+    report_loader(
+        f"(d) the joining requests' own TTFT p50 under this load: warm adapters {p50(joiner_ttft['w']) * 1e3:.2f} ms, "
+        f"cold (loading from disk) {p50(joiner_ttft['c']) * 1e3:.2f} ms"
+    )
     if TRACE:
         eng.step_trace = []
         register_s.clear()
     elsewhere = gaps("cold-elsewhere", "e", first_path=24)
-    admin.shutdown()
     if TRACE:
         print_trace(eng, "cold joins registered elsewhere")
         print(f"  [cold joins elsewhere] register + add on the admin thread: max {max(register_s) * 1e3:.1f} ms")
-    served = [v.requests_served if v is not None else 0 for v in (eng.pool.lookup(f"xce{j}") for j in range(12))]
-    if served != [1] * 12:
-        raise AssertionError(f"(d) the cold joins registered on another thread did not all run: {served}")
     report_loader(
         f"(d) same cold joins registered on another thread (as by the server's gRPC handlers): p99 "
         f"{p99(elsewhere) * 1e3:.2f} ms ({p99(elsewhere) / p99(steady):.2f}x steady, "
         f"{p99(elsewhere) / p99(warm):.2f}x the warm joins)"
+    )
+    # The same, with the running requests on adapters (as a LoRA gateway's are): the steady step then
+    # runs the LoRA kernels already, and a join adds only its own rows and its adapter's load.
+    on_adapters = [f"xw{j}" for j in range(4)]
+    steady_lora, running_lora = (
+        gaps("none", "sl", running_on=on_adapters),
+        gaps("running", "rl", running_on=on_adapters),
+    )
+    cold_lora = gaps("cold-elsewhere", "ol", first_path=36, running_on=on_adapters)
+    admin.shutdown()
+    for tag in ("e", "ol"):
+        versions = (eng.pool.lookup(f"xc{tag}{j}") for j in range(12))
+        served = [v.requests_served if v is not None else 0 for v in versions]
+        if served != [1] * 12:
+            raise AssertionError(f"(d) the cold joins registered on another thread did not all run: {served}")
+    report_loader(
+        f"(d) with the 16 running requests on 4 adapters: others' p99 steady {p99(steady_lora) * 1e3:.2f} ms; while 12 "
+        f"requests on those adapters join {p99(running_lora) * 1e3:.2f} ms "
+        f"({p99(running_lora) / p99(steady_lora):.2f}x steady; their TTFT p50 {p50(joiner_ttft['rl']) * 1e3:.2f} ms); "
+        f"while 12 cold-adapter requests join and load, registered on another thread, {p99(cold_lora) * 1e3:.2f} ms "
+        f"({p99(cold_lora) / p99(steady_lora):.2f}x steady)"
     )
 
 
