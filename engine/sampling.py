@@ -38,35 +38,109 @@ class SamplingParams:
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    """A private RNG for seeded requests so their output does not depend on batch neighbours."""
-    if params.greedy:
+    """A private RNG for a seeded request, so that its output does not depend on batch neighbours; None
+    for greedy and unseeded requests (`sample` draws unseeded rows together from torch's own generator)."""
+    if params.greedy or params.seed is None:
         return None
     generator = torch.Generator(device=device)
-    if params.seed is not None:
-        generator.manual_seed(params.seed)
-    else:
-        generator.seed()
+    generator.manual_seed(params.seed)
     return generator
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of `logits` [B, vocab] (float32)."""
-    greedy_ids = logits.argmax(dim=-1).tolist()
+    """One token per row of `logits` [B, vocab] (float32).
+
+    Greedy rows take the argmax. The other rows are tempered and cut (top-k, then top-p) together, then
+    each draws one uniform number, from its own generator if seeded (so that its tokens do not depend on
+    its neighbours) and from torch's otherwise, and takes the token where that number falls in its
+    cumulative distribution. All tokens come back in one device-to-host copy, so a GPU step waits once,
+    not once per sampled row (bench/sampling.py).
+    """
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        device = logits.device
+        index = torch.tensor(rows, device=device)
+        probs = _truncated_probs(logits.index_select(0, index), [params[i] for i in rows])
+        uniform = torch.rand(len(rows), dtype=torch.float64, device=device)
+        for j, i in enumerate(rows):
+            generator = generators[i]
+            if generator is not None:
+                uniform[j : j + 1] = torch.rand(1, dtype=torch.float64, device=device, generator=generator)
+        # float64 sums: 50k float32 terms would round the last ones away. A token past the end (u * total
+        # rounded up to the total itself, about 1e-16 likely) is taken as the last one.
+        cumulative = probs.to(torch.float64).cumsum(-1)
+        target = (uniform * cumulative[:, -1])[:, None]
+        drawn = torch.searchsorted(cumulative, target, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
+        tokens = tokens.index_copy(0, index, drawn)
+    return [int(t) for t in tokens.tolist()]
+
+
+def _truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Row-wise probabilities [R, vocab] after temperature, top-k (ties at the k-th score kept) and top-p
+    (the smallest prefix whose mass reaches top_p, always at least the top token): `reference_probs`,
+    for many rows at once."""
+    device, vocab = logits.device, logits.shape[-1]
+    scores = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    cut = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(cut):
+        k = torch.tensor(cut, device=device)[:, None]
+        kth = scores.topk(max(cut), dim=-1).values.gather(1, (k - 1).clamp(min=0))
+        kth = torch.where(k > 0, kth, float("-inf"))  # rows without top-k keep every score
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if nucleus:
+        rows = torch.tensor(nucleus, device=device)
+        top_p = torch.tensor([params[i].top_p for i in nucleus], device=device)[:, None]
+        probs = probs.index_copy(0, rows, _nucleus(probs.index_select(0, rows), top_p))
+    return probs
+
+
+_NUCLEUS_CANDIDATES = 1024
+
+
+def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`probs` [R, vocab] cut to each row's smallest prefix (by probability) whose mass reaches `top_p`
+    [R, 1].
+
+    On the CPU, sorting the whole vocabulary was most of a step's sampling time (about 2 ms a row on a
+    2-core machine, bench/sampling.py), so rows whose nucleus lies within their top 1024 tokens (most
+    rows of a language model) sort only those, and a flat row is sorted whole. On a GPU that choice
+    would cost a read-back of the device's answer in mid-step: there the whole vocabulary is sorted.
+    """
+    if not probs.is_cuda:
+        values, order = probs.topk(min(_NUCLEUS_CANDIDATES, probs.shape[-1]), dim=-1)  # sorted, largest first
+        if not bool((values.sum(-1, keepdim=True) >= top_p).all()):
+            values, order = torch.sort(probs, dim=-1, descending=True)
+    else:
+        values, order = torch.sort(probs, dim=-1, descending=True)
+    kept = values.masked_fill(values.cumsum(-1) - values >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, kept)
+
+
+def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Reference for one row [vocab] of `_truncated_probs`, the straightforward way (tests)."""
+    scores = logits / params.temperature
+    if 0 < params.top_k < scores.shape[-1]:
+        scores = scores.masked_fill(scores < torch.topk(scores, params.top_k).values[-1], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs.masked_fill(drop, 0.0))
+    return probs
+
+
+def sample_one_by_one(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int]:
+    """How the engine sampled before `sample`: each row alone, with `torch.multinomial`, read back alone
+    (bench/sampling.py times the two)."""
     out: list[int] = []
-    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
+    for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
         if p.greedy:
-            out.append(int(greedy_ids[row]))
-            continue
-        scores = logits[row] / p.temperature
-        if p.top_k > 0 and p.top_k < scores.shape[-1]:
-            kth = torch.topk(scores, p.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
-            drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+            out.append(int(logits[row].argmax()))
+        else:
+            out.append(int(torch.multinomial(reference_probs(logits[row], p), 1, generator=generator)))
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling import SamplingParams, make_generator, sample
+from engine.sampling import SamplingParams, _truncated_probs, make_generator, reference_probs, sample
 
 CPU = torch.device("cpu")
 
@@ -58,3 +58,80 @@ def test_top_k_two_only_draws_top_two() -> None:
 def test_invalid_params_name_the_field(params: SamplingParams, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         params.validate()
+
+
+CUTS = [
+    SamplingParams(max_tokens=1, temperature=1.0),
+    SamplingParams(max_tokens=1, temperature=0.7, top_k=5),
+    SamplingParams(max_tokens=1, temperature=1.3, top_p=0.9),
+    SamplingParams(max_tokens=1, temperature=0.9, top_k=50, top_p=0.8),
+    SamplingParams(max_tokens=1, temperature=2.0, top_k=3000),  # top-k of the whole vocabulary: no cut
+]
+
+
+def test_cuts_of_many_rows_at_once_match_the_reference() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(len(CUTS) + 1, 3000) * 3
+    logits[-1] = 0.0  # a flat row: its nucleus is 2700 tokens, past the 1024 candidates sorted first
+    params = [*CUTS, SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9)]
+    together = _truncated_probs(logits, params)
+    for row, p in enumerate(params):
+        torch.testing.assert_close(together[row], reference_probs(logits[row], p), rtol=1e-6, atol=1e-7)
+    assert int((together[-1] > 0).sum()) == 2700
+
+
+@pytest.mark.parametrize("params", CUTS[:4])
+def test_draws_follow_the_reference_distribution(params: SamplingParams) -> None:
+    torch.manual_seed(1)
+    row = torch.randn(8) * 2
+    want = reference_probs(row, params)
+    want = want / want.sum()  # a cut leaves its kept mass unnormalised: drawing normalises
+    draws = sample(row.repeat(4000, 1), [params] * 4000, [None] * 4000)
+    seen = torch.bincount(torch.tensor(draws), minlength=8).float() / 4000
+    assert torch.all(seen[want == 0] == 0)  # never a token the cuts removed
+    torch.testing.assert_close(seen, want, rtol=0, atol=0.035)
+
+
+def test_seeded_rows_do_not_depend_on_their_neighbours() -> None:
+    torch.manual_seed(2)
+    logits = torch.randn(3, 500) * 2  # row 0 is the seeded request's, in every batch
+    mine = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.95, seed=7)
+    others = [SamplingParams(max_tokens=1, temperature=1.0), SamplingParams(max_tokens=1, temperature=0.5, seed=3)]
+
+    def draws(before: list[SamplingParams]) -> list[int]:
+        batch = [*before, mine]
+        rows = torch.cat([logits[1 : 1 + len(before)], logits[:1]])
+        generators = [make_generator(p, CPU) for p in batch]
+        return [sample(rows, batch, generators)[-1] for _ in range(12)]
+
+    alone = draws([])
+    assert len(set(alone)) > 1
+    assert draws([others[0]]) == alone
+    assert draws(others) == alone
+
+
+def test_unseeded_rows_respect_their_cuts_when_drawn_together() -> None:
+    logits = _logits().repeat(3, 1)
+    params = [
+        SamplingParams(max_tokens=1, temperature=5.0, top_k=2),
+        SamplingParams(max_tokens=1, temperature=1.0, top_p=0.01),
+        SamplingParams(max_tokens=1, temperature=5.0),
+    ]
+    assert [make_generator(p, CPU) for p in params] == [None, None, None]
+    seen: list[set[int]] = [set(), set(), set()]
+    for _ in range(300):
+        for row, token in enumerate(sample(logits, params, [None, None, None])):
+            seen[row].add(token)
+    assert seen[0] == {1, 3} and seen[1] == {1} and seen[2] == {0, 1, 2, 3, 4}
+
+
+def test_a_step_reads_its_tokens_back_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU step waits for every device-to-host read: sampled rows were once read back one by one."""
+    reads: list[str] = []
+    tolist, item = torch.Tensor.tolist, torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append("tolist") or tolist(t))
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append("item") or item(t))
+    params = [SamplingParams(max_tokens=1, temperature=1.0, seed=s) for s in range(6)]
+    params += [SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9)]
+    tokens = sample(torch.randn(8, 100), params, [make_generator(p, CPU) for p in params])
+    assert len(tokens) == 8 and reads == ["tolist"]

@@ -7,7 +7,7 @@ import pytest
 from engine.loader import resolve_model
 from engine.tokenizer import IncrementalDecoder, Tokenizer
 
-TEXT = "The sea is vast, 深い海 🌊 and full of life: naïve café, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢! " * 3
+TEXT = "The sea is vast, 深い海 🌊 and full of life: naïve café, 바다! " * 3
 
 
 @pytest.fixture(scope="module")
