@@ -33,6 +33,8 @@ bench: install-test
 	$(PY) bench/fairness_live.py
 	$(PY) bench/adapter_cache.py
 	$(PY) bench/adapter_loading.py
+	$(PY) bench/detokenize.py
+	$(PY) bench/sampling.py
 
 proto: install-test
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. engine/engine.proto
