@@ -17,6 +17,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -285,7 +286,7 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
         def joiner_sink(sent: float) -> Callable[[RequestOutput], None]:
             def record(o: RequestOutput) -> None:
                 if o.token_ids and o.completion_tokens == 1:
-                    joiner_ttft.setdefault(tag, []).append(time.perf_counter() - sent)
+                    joiner_ttft[tag].append(time.perf_counter() - sent)
 
             return record
 
@@ -348,7 +349,7 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
         return out
 
     register_s: list[float] = []
-    joiner_ttft: dict[str, list[float]] = {"w": [], "c": []}  # joining requests' own TTFT (warm, cold)
+    joiner_ttft: defaultdict[str, list[float]] = defaultdict(list)  # joining requests' own TTFT, by gaps' tag
     admin = ThreadPoolExecutor(max_workers=1, thread_name_prefix="admin")
 
     def join_cold(name: str, path: str, rid: str, params: SamplingParams) -> None:

@@ -73,7 +73,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         target = (uniform * cumulative[:, -1])[:, None]
         drawn = torch.searchsorted(cumulative, target, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
         tokens = tokens.index_copy(0, index, drawn)
-    return [int(t) for t in tokens.tolist()]
+    return list(tokens.tolist())
 
 
 def _truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

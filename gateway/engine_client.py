@@ -416,12 +416,17 @@ class EnginePool:
         task.add_done_callback(self._tasks.discard)
 
 
+# top_p 0 (OpenAI accepts it) is the limit of keeping only the most likely token. The engine's wire format
+# reads 0 as "not set" (no cut), so the smallest mass goes instead, which keeps that token only.
+SMALLEST_TOP_P = 1e-6
+
+
 def _generate_request(request: GatewayRequest, engine_name: str) -> pb.GenerateRequest:
     s = request.sampling
     sampling = pb.SamplingParams(
         max_tokens=s.max_tokens or 0,
         temperature=s.temperature,
-        top_p=s.top_p,
+        top_p=max(s.top_p, SMALLEST_TOP_P),
         top_k=s.top_k,
         stop=s.stop,
     )

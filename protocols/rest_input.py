@@ -131,7 +131,7 @@ def _common(
     sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else max(top_p, SMALLEST_TOP_P),
+        top_p=1.0 if top_p is None else top_p,
         top_k=_int(body, "top_k", 0) or 0,
         seed=_int(body, "seed", None),
         stop=_stop(body.get("stop")),
@@ -184,11 +184,6 @@ def _int(body: dict[str, Any], name: str, minimum: int | None) -> int | None:
     if minimum is not None and value < minimum:
         raise _bad(f"{name} must be at least {minimum}, got {value}", name)
     return value
-
-
-# top_p 0 (OpenAI accepts it) is the limit of keeping only the most likely token. The engine's wire format
-# reads 0 as "not set" (no cut), so the gateway sends the smallest mass instead, which keeps that token only.
-SMALLEST_TOP_P = 1e-6
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:

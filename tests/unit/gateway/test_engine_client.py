@@ -8,7 +8,7 @@ import pytest
 
 from bench.fast_engine import FastEngineFixture, FastEngineOptions
 from gateway.api import Done, GatewayRequest, SamplingParams, TokenChunk
-from gateway.engine_client import EnginePool, ReplicaFailed
+from gateway.engine_client import SMALLEST_TOP_P, EnginePool, ReplicaFailed, _generate_request
 from gateway.errors import InvalidRequest
 from gateway.registry import ResolvedAdapter
 from tests.conftest import free_port
@@ -183,3 +183,11 @@ async def test_retired_versions_unload_once_idle() -> None:
                     break
                 await asyncio.sleep(0.01)
             assert engine.unload_calls == ["pirate@v1"]
+
+
+def test_top_p_zero_keeps_only_the_top_token() -> None:
+    """top_p 0 once reached the engine as its wire default 0, "not set": the full distribution was sampled."""
+    zero = GatewayRequest(request_id="r", tenant="t", adapter=None, prompt="hi", sampling=SamplingParams(top_p=0.0))
+    assert _generate_request(zero, "").sampling.top_p == pytest.approx(SMALLEST_TOP_P)
+    assert 0 < SMALLEST_TOP_P < 1 / 200_000  # below any token's share of a real vocabulary: the top one alone
+    assert _generate_request(_request(), "").sampling.top_p == 1.0

@@ -12,7 +12,6 @@ import pytest
 from gateway.api import Done, Error, Event, GatewayRequest, TokenChunk, Usage
 from gateway.errors import Status, Unauthenticated
 from protocols.rest import RestServer
-from protocols.rest_input import SMALLEST_TOP_P
 
 KEY = {"Authorization": "Bearer good"}
 
@@ -108,17 +107,6 @@ async def test_chat_completion(rest: tuple[RestServer, FakeGateway, str], http: 
     s = seen.sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.stop, s.seed) == (8, 0.0, 0.5, ("END",), 7)
     assert seen.deadline is not None and 29 < seen.deadline - time.monotonic() <= 30
-
-
-async def test_top_p_zero_keeps_only_the_top_token(
-    rest: tuple[RestServer, FakeGateway, str], http: aiohttp.ClientSession
-) -> None:
-    """top_p 0 once reached the engine as its wire default 0, "not set": the full distribution was sampled."""
-    _, gateway, url = rest
-    async with http.post(f"{url}/v1/chat/completions", json=_chat(top_p=0), headers=KEY) as r:
-        assert r.status == 200
-    assert gateway.requests[0].sampling.top_p == SMALLEST_TOP_P
-    assert 0 < SMALLEST_TOP_P < 1 / 200_000  # below any token's share of a real vocabulary: the top one alone
 
 
 async def test_completion_routing_key_defaults_to_user(
