@@ -711,10 +711,17 @@ def section_decode_layer(args: argparse.Namespace, runs: Sequence[tuple[int, Con
     print(f"  no LoRA                  graph {base[0]:7.1f} us   eager {base[1]:7.1f} us")
     base_bytes = layer.base_bytes()
     side = torch.cuda.Stream(DEV)
-    for block_m, cfg, overlap in [(m, c, o) for m, c in runs for o in ((False, True) if m == 1 else (False,))]:
+    # The LoRA deltas of `full` overlap: one buffer, zeroed once per layer on the side stream.
+    widths = {p.name: sum(p.slices) for p in PROJS}
+    delta_all = torch.zeros(BATCH, sum(widths.values()), device=DEV, dtype=DTYPE)
+    deltas, n0 = {}, 0
+    for p in PROJS:
+        deltas[p.name], n0 = delta_all[:, n0 : n0 + widths[p.name]], n0 + widths[p.name]
+    modes = ("", "overlap", "full overlap")
+    for block_m, cfg, overlap in [(m, c, o) for m, c in runs for o in (modes if m == 1 else ("",))]:
         capacity = lora_plan.chunk_capacity(BATCH, SLOTS, block_m)
         plan = lora_plan.plan_segments(list(range(BATCH)), DEV, block_m=block_m, num_chunks=capacity)
-        tag = f"chunks of {block_m:2d} {cfg.variant.name:8s}{' +overlap' if overlap else ''}"
+        tag = f"chunks of {block_m:2d} {cfg.variant.name:8s}{' +' + overlap if overlap else ''}"
 
         def shrink(name: str, x: torch.Tensor, plan: lora_plan.SegmentPlan = plan, cfg: Configs = cfg) -> None:
             if index[name] == 0:
@@ -743,9 +750,25 @@ def section_decode_layer(args: argparse.Namespace, runs: Sequence[tuple[int, Con
             torch.cuda.current_stream(DEV).wait_stream(side)
             expand(name, y)
 
-        def lora_step(overlap: bool = overlap) -> torch.Tensor:
-            if overlap:
+        # Full overlap: shrink and expand both run on the side stream beside the GEMM, the expand into a zeroed
+        # delta; after the GEMM the main stream adds the delta (one small kernel in the GEMM's wake).
+        def lora_beside(name: str, x: torch.Tensor) -> None:
+            side.wait_stream(torch.cuda.current_stream(DEV))
+            with torch.cuda.stream(side):
+                if index[name] == 0:
+                    delta_all.zero_()
+                shrink(name, x)
+                expand(name, deltas[name])
+
+        def add_after(name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+            torch.cuda.current_stream(DEV).wait_stream(side)
+            y.add_(deltas[name])
+
+        def lora_step(overlap: str = overlap) -> torch.Tensor:
+            if overlap == "overlap":
                 return layer.step(expand_after, shrink_beside)
+            if overlap == "full overlap":
+                return layer.step(add_after, lora_beside)
             return layer.step(triton_lora)
 
         wants: dict[str, torch.Tensor] = {}

@@ -28,13 +28,16 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.loader import resolve_model
 from engine.pool import AdapterState, AdapterVersion
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
+from engine.tokenizer import Tokenizer
 from tests.support.random_model import write_random_llama
 from tests.unit.engine.tiny import write_adapter
 
 ALL7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROMPT = "Tell me something about the ocean."
 SUMMARY: list[str] = []
 LOADER = "thread"  # the adapter loader (and GIL switch interval) measured: sections d and f run once per pair
 TRACE = False  # --trace: per-step phase timings of the cold-join and Zipf runs (adds a sync per phase)
@@ -147,7 +150,7 @@ def section_agreement(b: Bench) -> None:
         path = b.adapters(cuda32, name, 1, rank=rank, modules=mods)[0]
         for e in (cuda32, cpu32):
             e.load_adapter(name, str(path), wait=True)
-    prompt = cuda32.tokenizer.encode_chat([("user", "Tell me something about the ocean.")])
+    prompt = cuda32.tokenizer.encode_chat([("user", PROMPT)])
     rows: list[str | None] = [None, "r8-qv", "r16-all", "r4-mlp", None, "r16-all"]
     reqs: list[Request] = [(f"m{i}", prompt, SamplingParams(max_tokens=16), a) for i, a in enumerate(rows)]
     got_cuda, got_cpu = drive(cuda32, reqs), drive(cpu32, reqs)
@@ -162,11 +165,14 @@ def section_agreement(b: Bench) -> None:
     cpu32.stop()
 
 
-def section_throughput(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
+def section_throughput(b: Bench, engines: dict[str, LLMEngine], prompt: list[int]) -> None:
     """(b) decode tokens/s at batch 32: base, one adapter, 8 distinct (greedy, and sampled with temperature
-    0.8 and top-p 0.95: the sampling's share of a step); graphs and eager, interleaved."""
-    for i, path in enumerate(b.adapters(eng, "t", 8)):
-        eng.load_adapter(f"t{i}", str(path), wait=True)
+    0.8 and top-p 0.95: the sampling's share of a step); graphs and eager, and each engine of `engines`
+    (by its decode attention), interleaved."""
+    paths = b.adapters(next(iter(engines.values())), "t", 8)
+    for eng in engines.values():
+        for i, path in enumerate(paths):
+            eng.load_adapter(f"t{i}", str(path), wait=True)
     greedy = SamplingParams(max_tokens=64, ignore_eos=True)
     sampled = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.8, top_p=0.95)
     mixes: dict[str, tuple[list[str | None], SamplingParams]] = {
@@ -175,29 +181,42 @@ def section_throughput(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
         "8 distinct": ([f"t{i % 8}" for i in range(32)], greedy),
         "8 distinct sampled": ([f"t{i % 8}" for i in range(32)], sampled),
     }
-    graphs = eng.graphs
-    modes = ("graphs", "eager") if graphs is not None else ("eager",)
+    has_graphs = all(eng.graphs is not None for eng in engines.values())
+    modes = ("graphs", "eager") if has_graphs else ("eager",)
     rates: dict[tuple[str, str], list[float]] = {}
     for rep in range(4):
-        for mode in modes:
-            eng.graphs = graphs if mode == "graphs" else None
-            for name, (adapters, params) in mixes.items():
-                reqs: list[Request] = [(f"tp{rep}{mode}{name}{i}", prompt, params, a) for i, a in enumerate(adapters)]
-                start = time.perf_counter()
-                drive(eng, reqs)
-                sync()
-                if rep:  # the first round warms up
-                    rates.setdefault((mode, name), []).append(32 * 64 / (time.perf_counter() - start))
-    eng.graphs = graphs
-    for mode in modes:
-        base = p50(rates[(mode, "base")])
+        for label, eng in engines.items():
+            graphs = eng.graphs
+            for mode in modes:
+                eng.graphs = graphs if mode == "graphs" else None
+                key = f"{mode}, {label} attention"
+                for name, (adapters, params) in mixes.items():
+                    reqs: list[Request] = [
+                        (f"tp{rep}{key}{name}{i}", prompt, params, a) for i, a in enumerate(adapters)
+                    ]
+                    start = time.perf_counter()
+                    drive(eng, reqs)
+                    sync()
+                    if rep:  # the first round warms up
+                        rates.setdefault((key, name), []).append(32 * 64 / (time.perf_counter() - start))
+            eng.graphs = graphs
+    keys = sorted({key for key, _ in rates})
+    for key in keys:
+        base = p50(rates[(key, "base")])
         report(
-            f"(b) decode tok/s, batch 32 x 64 tokens incl. prefill, {mode}: "
-            + ", ".join(f"{n} {p50(rates[(mode, n)]):.0f} ({p50(rates[(mode, n)]) / base:.2f}x base)" for n in mixes)
+            f"(b) decode tok/s, batch 32 x 64 tokens incl. prefill, {key}: "
+            + ", ".join(f"{n} {p50(rates[(key, n)]):.0f} ({p50(rates[(key, n)]) / base:.2f}x base)" for n in mixes)
         )
-    for name in mixes if graphs is not None else ():
-        ratio = p50(rates[("graphs", name)]) / p50(rates[("eager", name)])
-        report(f"(b) graphs / eager, {name}: {ratio:.2f}x")
+    for label in engines if has_graphs else ():
+        for name in mixes:
+            ratio = p50(rates[(f"graphs, {label} attention", name)]) / p50(rates[(f"eager, {label} attention", name)])
+            report(f"(b) graphs / eager, {label} attention, {name}: {ratio:.2f}x")
+    first, *others = engines
+    for label in others:
+        for mode in modes:
+            mine, theirs = f"{mode}, {first} attention", f"{mode}, {label} attention"
+            ratios = ", ".join(f"{n} {p50(rates[(mine, n)]) / p50(rates[(theirs, n)]):.2f}x" for n in mixes)
+            report(f"(b) {mode}, {first} attention / {label} attention: {ratios}")
 
 
 def section_cold_start(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
@@ -581,6 +600,11 @@ def main() -> None:
         help="loader processes, each load split over all of them (0 = the engine's default; 1 = unsplit) for d and f",
     )
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
+    ap.add_argument(
+        "--decode-attention",
+        default="triton,torch",
+        help="decode attention of the engines section b compares (the first is the reference of the ratios)",
+    )
     args = ap.parse_args()
     global TRACE, LOADER
     TRACE = args.trace
@@ -589,13 +613,16 @@ def main() -> None:
     b = Bench(args)
     if "a" in args.only and args.device == "cuda":
         section_agreement(b)
-    eng = b.engine()
-    prompt = eng.tokenizer.encode_chat([("user", "Tell me something about the ocean.")])
     if "b" in args.only:
-        section_throughput(b, eng, prompt)
-    eng.stop()
-    del eng
-    free_gpu_memory()
+        attentions = args.decode_attention.split(",") if args.device == "cuda" else ["torch"]
+        engines = {label: b.engine(decode_attention=label) for label in attentions}
+        prompt = next(iter(engines.values())).tokenizer.encode_chat([("user", PROMPT)])
+        section_throughput(b, engines, prompt)
+        for eng in engines.values():
+            eng.stop()
+        del engines, eng
+        free_gpu_memory()
+    prompt = Tokenizer(resolve_model(str(b.model))).encode_chat([("user", PROMPT)])
     # Cold starts, loads under traffic and hot swap, once per adapter loader, side by side in this run.
     configs = [
         (loader, float(ms), int(mb), int(workers))

@@ -104,6 +104,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, index: int) -> None:
         super().__init__()
         self.arch, self.index = arch, index
+        # CUDA decode steps: rotary, cache write and attention in triton (engine/kernels_attention.py).
+        self.triton_decode = False
         h, q, kv, i = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
         self.input_norm = RMSNorm(h, arch.rms_norm_eps)
         self.post_norm = RMSNorm(h, arch.rms_norm_eps)
@@ -131,18 +133,21 @@ class DecoderLayer(nn.Module):
         if lora is not None:
             lora.apply_group(self.index, "qkv", normed, qkv)
         tokens = x.shape[0]
-        # q and k rotate in one call (same positions): half the kernels of rotating them one by one.
-        heads = arch.num_heads + arch.num_kv_heads
-        qk = apply_rope(qkv[:, : q_size + kv_size].view(tokens, heads, arch.head_dim), cos, sin)
-        q, k = qk[:, : arch.num_heads], qk[:, arch.num_heads :]
-        v = qkv[:, q_size + kv_size :].view(tokens, arch.num_kv_heads, arch.head_dim)
         k_cache, v_cache = kv.k[self.index], kv.v[self.index]
-        if isinstance(view, DecodeView):
-            attn = self._decode_attention(q, k, v, k_cache, v_cache, view)
-        elif isinstance(view, PrefillView):
-            attn = self._prefill_attention(q, k, v, k_cache, v_cache, view)
+        if isinstance(view, DecodeView) and self.triton_decode:
+            attn = self._triton_decode_attention(qkv, cos, sin, k_cache, v_cache, view)
         else:
-            attn = self._attention(q, k, v, k_cache, v_cache, seqs)
+            # q and k rotate in one call (same positions): half the kernels of rotating them one by one.
+            heads = arch.num_heads + arch.num_kv_heads
+            qk = apply_rope(qkv[:, : q_size + kv_size].view(tokens, heads, arch.head_dim), cos, sin)
+            q, k = qk[:, : arch.num_heads], qk[:, arch.num_heads :]
+            v = qkv[:, q_size + kv_size :].view(tokens, arch.num_kv_heads, arch.head_dim)
+            if isinstance(view, DecodeView):
+                attn = self._decode_attention(q, k, v, k_cache, v_cache, view)
+            elif isinstance(view, PrefillView):
+                attn = self._prefill_attention(q, k, v, k_cache, v_cache, view)
+            else:
+                attn = self._attention(q, k, v, k_cache, v_cache, seqs)
         attn_flat = attn.reshape(tokens, q_size)
         o = F.linear(attn_flat, self.o_weight)
         if lora is not None:
@@ -200,6 +205,24 @@ class DecoderLayer(nn.Module):
         out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
         return out[0].transpose(0, 1)
 
+    def _triton_decode_attention(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        decode: DecodeView,
+    ) -> torch.Tensor:
+        """`_decode_attention` in three kernels: keys are read in place in the cache, none gathered."""
+        from engine import kernels_attention
+
+        arch = self.arch
+        q = kernels_attention.rope_and_cache(
+            qkv, cos, sin, k_cache, v_cache, decode.slots, decode.positions, arch.num_heads, arch.num_kv_heads
+        )
+        return kernels_attention.decode_attention(q, k_cache, v_cache, decode.slots, decode.positions, decode.max_len)
+
     @staticmethod
     def _decode_attention(
         q: torch.Tensor,
@@ -235,6 +258,12 @@ class DecoderModel(nn.Module):
         cos, sin = rope_tables(arch.head_dim, arch.max_position, arch.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def use_triton_decode(self, enabled: bool) -> None:
+        """Run decode steps' rotary, cache write and attention in triton (`engine.kernels_attention`; CUDA
+        only), or in torch: SDPA over each sequence's keys gathered up to the step's KV length."""
+        for layer in self.layers:
+            cast(DecoderLayer, layer).triton_decode = enabled
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Copy a loader state dict (our names, separate q/k/v) into the fused parameters."""

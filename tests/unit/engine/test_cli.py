@@ -49,3 +49,13 @@ def test_adapter_loader_workers_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     for bad in ("-1", "65"):  # 65 processes importing torch would only compete with the engine
         with pytest.raises(ValueError, match=r"adapter_loader_workers must be within 0\.\.64"):
             config_from(parser.parse_args(["--adapter-loader-workers", bad])).validate()
+
+
+def test_decode_attention_flag() -> None:
+    parser = build_parser()
+    assert config_from(parser.parse_args([])).decode_attention == "auto"
+    config_from(parser.parse_args(["--decode-attention", "torch", "--device", "cpu"])).validate()
+    with pytest.raises(ValueError, match="decode_attention must be auto, triton or torch"):
+        config_from(parser.parse_args(["--decode-attention", "flash"])).validate()
+    with pytest.raises(ValueError, match="decode_attention triton needs a CUDA device"):
+        config_from(parser.parse_args(["--decode-attention", "triton", "--device", "cpu"])).validate()

@@ -8,21 +8,16 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import subprocess
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
 from engine import kernels
+from tests.unit.engine.interpreted import INTERPRETED, run_interpreted
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-REPO = Path(__file__).resolve().parents[3]
 
 # Relative error bounds: fp32 differs from the reference by summation order only; bf16 by roundings
 # of h and y in different places (the kernels keep h in fp32).
@@ -284,17 +279,7 @@ def test_b_stack_needs_a_contiguous_n_or_r_axis() -> None:
 
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="parent process only; needs triton")
 def test_triton_interpreted() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", f"{__file__}::TestInterpreted"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "skipped" not in proc.stdout and " passed" in proc.stdout, proc.stdout[-2000:]
+    run_interpreted(f"{__file__}::TestInterpreted")
 
 
 # split: many programs; rank blocks past a slot's rank exit, units split over K and N tiles.
