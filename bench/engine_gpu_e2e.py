@@ -601,7 +601,7 @@ def main() -> None:
     )
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
     ap.add_argument(
-        "--decode-attention",
+        "--attention-backend",
         default="triton,torch",
         help="decode attention of the engines section b compares (the first is the reference of the ratios)",
     )
@@ -614,8 +614,8 @@ def main() -> None:
     if "a" in args.only and args.device == "cuda":
         section_agreement(b)
     if "b" in args.only:
-        attentions = args.decode_attention.split(",") if args.device == "cuda" else ["torch"]
-        engines = {label: b.engine(decode_attention=label) for label in attentions}
+        attentions = args.attention_backend.split(",") if args.device == "cuda" else ["torch"]
+        engines = {label: b.engine(attention_backend=label) for label in attentions}
         prompt = next(iter(engines.values())).tokenizer.encode_chat([("user", PROMPT)])
         section_throughput(b, engines, prompt)
         for eng in engines.values():

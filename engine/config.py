@@ -37,7 +37,7 @@ class EngineConfig:
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
     # CUDA decode steps: triton (rotary, KV-cache write and attention reading keys in place; engine/
     # kernels_attention.py) | torch (SDPA over keys gathered per step) | auto (triton on CUDA)
-    decode_attention: str = "auto"
+    attention_backend: str = "auto"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
     # CUDA: the process's GIL switch interval while the engine serves (engine/interpreter.py); 0 keeps Python's
     # (5 ms). Shorter intervals were measured in bench/RESULTS-gpu.md and did not help reliably.
@@ -70,10 +70,10 @@ class EngineConfig:
             raise ValueError(f"adapter_loader must be auto, thread or process, got {self.adapter_loader!r}")
         if self.adapter_eviction not in ("frequency", "lru"):
             raise ValueError(f"adapter_eviction must be frequency or lru, got {self.adapter_eviction!r}")
-        if self.decode_attention not in ("auto", "triton", "torch"):
-            raise ValueError(f"decode_attention must be auto, triton or torch, got {self.decode_attention!r}")
-        if self.decode_attention == "triton" and self.torch_device().type != "cuda":
-            raise ValueError("decode_attention triton needs a CUDA device")
+        if self.attention_backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
+        if self.attention_backend == "triton" and self.torch_device().type != "cuda":
+            raise ValueError("attention_backend triton needs a CUDA device")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_num_batched_tokens < self.max_model_len:

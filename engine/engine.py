@@ -89,7 +89,7 @@ class LLMEngine:
         model = DecoderModel(arch)
         model.load_state(state)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.model.use_triton_decode(self.device.type == "cuda" and config.decode_attention != "torch")
+        self.model.use_triton_attention(self.device.type == "cuda" and config.attention_backend != "torch")
         self.stacks = LoRAStacks(arch, config.lora_slots, config.max_lora_rank, self.dtype, self.device)
         self.kv = KVCache(arch, self._kv_slots(), self.max_model_len, self.dtype, self.device)
         eviction = LRUPolicy() if config.adapter_eviction == "lru" else DecayedFrequencyPolicy()

@@ -14,6 +14,7 @@ per KV head (grouped-query attention: head h reads KV head h // G), head size D:
 
     rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, positions) -> q [T, H, D]:
         qkv[t] holds H query heads, then KVH key heads, then KVH value heads, each D wide
+        (a prompt's rows share one slot: slots[t] = slots[0])
         q[t, h]                                  = rope(qkv[t, query head h], cos[t], sin[t])
         k_cache[slots[t], j, positions[t], :]    = rope(qkv[t, key head j], cos[t], sin[t])
         v_cache[slots[t], j, positions[t], :]    = qkv[t, value head j]
@@ -52,6 +53,7 @@ def _rope_cache_kernel(
     v_cache_ptr: tl.tensor,
     slots_ptr: tl.tensor,
     positions_ptr: tl.tensor,
+    kv_out_ptr: tl.tensor,
     stride_qkv: tl.tensor,
     stride_cos: tl.tensor,
     stride_qt: tl.tensor,
@@ -59,13 +61,15 @@ def _rope_cache_kernel(
     stride_cs: tl.tensor,
     stride_ch: tl.tensor,
     stride_cl: tl.tensor,
+    stride_slot: tl.tensor,
     H: tl.constexpr,
     KVH: tl.constexpr,
     D: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    KV_OUT: tl.constexpr,
 ) -> None:
     # One program per (row, head of qkv): query heads are rotated into q, key heads rotated into the cache,
-    # value heads copied into it.
+    # value heads copied into it (and both into kv_out [T, 2 KVH, D] with KV_OUT).
     t = tl.program_id(0)
     head = tl.program_id(1)
     half = tl.arange(0, BLOCK_HALF)
@@ -86,7 +90,11 @@ def _rope_cache_kernel(
     if head < H:
         dst = q_ptr + t * stride_qt + head * stride_qh
     else:
-        slot = tl.load(slots_ptr + t).to(tl.int64)
+        if KV_OUT:
+            rows = kv_out_ptr + (t * 2 * KVH + head - H) * D
+            tl.store(rows + half, o1.to(rows.dtype.element_ty), mask=ok)
+            tl.store(rows + D // 2 + half, o2.to(rows.dtype.element_ty), mask=ok)
+        slot = tl.load(slots_ptr + t * stride_slot).to(tl.int64)
         position = tl.load(positions_ptr + t).to(tl.int64)
         at = slot * stride_cs + position * stride_cl
         if head < H + KVH:
@@ -107,11 +115,14 @@ def rope_and_cache(
     positions: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    kv_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate the step's queries and keys, write keys and values into the cache; returns q `[T, H, D]`.
 
-    `qkv` `[T, (H + 2 KVH) D]` (last axis contiguous), `cos`/`sin` `[T, D]` fp32 (the rotate-half tables at
-    each row's position), caches `[slots, KVH, max_len, D]` with a contiguous last axis.
+    `qkv` `[T, (H + 2 KVH) D]` (last axis contiguous), `cos`/`sin` `[T, D]` (the rotate-half tables at each
+    row's position), caches `[slots, KVH, max_len, D]` with a contiguous last axis, `slots` `[T]` or `[1]`
+    (one sequence's rows: a prompt), `positions` `[T]`. With `kv_out` (contiguous `[T, 2 KVH, D]`) the rotated
+    keys and the values are written there too, for attention over the rows themselves (a prefill).
     """
     tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
@@ -121,6 +132,10 @@ def rope_and_cache(
         raise ValueError("the key and value caches need one layout with a contiguous last axis")
     if cos.stride() != sin.stride() or cos.stride(-1) != 1:
         raise ValueError("cos and sin need one layout with a contiguous last axis")
+    if slots.shape[0] not in (1, tokens) or positions.shape[0] != tokens:
+        raise ValueError("slots must be [T] or [1] and positions [T]")
+    if kv_out is not None and (kv_out.shape != (tokens, 2 * num_kv_heads, head_dim) or not kv_out.is_contiguous()):
+        raise ValueError("kv_out must be a contiguous [T, 2 KVH, D]")
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if tokens == 0:
         return q
@@ -133,6 +148,7 @@ def rope_and_cache(
         v_cache,
         slots,
         positions,
+        q if kv_out is None else kv_out,
         qkv.stride(0),
         cos.stride(0),
         q.stride(0),
@@ -140,10 +156,12 @@ def rope_and_cache(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        slots.stride(0) if slots.shape[0] == tokens else 0,
         H=num_heads,
         KVH=num_kv_heads,
         D=head_dim,
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        KV_OUT=kv_out is not None,
     )
     return q
 

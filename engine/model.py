@@ -85,6 +85,26 @@ class RMSNorm(nn.Module):
         return (x32 * self.weight.float()).to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(x + delta, norm(x + delta))`: one triton kernel on CUDA (`engine.kernels_elementwise`), torch elsewhere."""
+    if x.is_cuda:
+        from engine import kernels_elementwise
+
+        return kernels_elementwise.add_rms_norm(x, delta, norm.weight, norm.eps)
+    total = x + delta
+    return total, norm(total)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` of the fused `[T, 2I]` gate/up output: one triton kernel on CUDA, torch elsewhere."""
+    if gate_up.is_cuda:
+        from engine import kernels_elementwise
+
+        return kernels_elementwise.silu_and_mul(gate_up)
+    inter = gate_up.shape[1] // 2
+    return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
 def rope_tables(head_dim: int, max_position: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [max_position, head_dim] in the rotate-half layout."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -105,7 +125,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.arch, self.index = arch, index
         # CUDA decode steps: rotary, cache write and attention in triton (engine/kernels_attention.py).
-        self.triton_decode = False
+        self.triton_attention = False
         h, q, kv, i = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
         self.input_norm = RMSNorm(h, arch.rms_norm_eps)
         self.post_norm = RMSNorm(h, arch.rms_norm_eps)
@@ -119,23 +139,33 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        pending: torch.Tensor | None,
+        positions: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         seqs: list[SeqSlice],
         kv: KVCache,
         lora: LoRABatch | None,
         view: DecodeView | PrefillView | None = None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream `x` plus `pending` (the previous layer's MLP output, not yet added: its add is
+        fused with this layer's first norm) in, with each row's position; this layer's residual stream and
+        MLP output out."""
         arch = self.arch
         q_size, kv_size = arch.q_size, arch.kv_size
-        normed = self.input_norm(x)
+        if pending is None:
+            normed = self.input_norm(x)
+        else:
+            x, normed = add_rms_norm(x, pending, self.input_norm)
         qkv = F.linear(normed, self.qkv_weight, self.qkv_bias)
         if lora is not None:
             lora.apply_group(self.index, "qkv", normed, qkv)
         tokens = x.shape[0]
         k_cache, v_cache = kv.k[self.index], kv.v[self.index]
-        if isinstance(view, DecodeView) and self.triton_decode:
+        if isinstance(view, DecodeView) and self.triton_attention:
             attn = self._triton_decode_attention(qkv, cos, sin, k_cache, v_cache, view)
+        elif isinstance(view, PrefillView) and self.triton_attention:
+            attn = self._triton_prefill_attention(qkv, cos, sin, positions, k_cache, v_cache, view)
         else:
             # q and k rotate in one call (same positions): half the kernels of rotating them one by one.
             heads = arch.num_heads + arch.num_kv_heads
@@ -152,17 +182,15 @@ class DecoderLayer(nn.Module):
         o = F.linear(attn_flat, self.o_weight)
         if lora is not None:
             lora.apply_group(self.index, "o", attn_flat, o)
-        x = x + o
-        normed = self.post_norm(x)
+        x, normed = add_rms_norm(x, o, self.post_norm)
         gate_up = F.linear(normed, self.gate_up_weight)
-        inter = arch.intermediate_size
         if lora is not None:
             lora.apply_group(self.index, "gate_up", normed, gate_up)
-        hidden = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        hidden = silu_and_mul(gate_up)
         down = F.linear(hidden, self.down_weight)
         if lora is not None:
             lora.apply_group(self.index, "down", hidden, down)
-        return x + down
+        return x, down
 
     @staticmethod
     def _attention(
@@ -201,9 +229,7 @@ class DecoderLayer(nn.Module):
         tokens = q.shape[0]
         k_cache[view.slot, :, :tokens] = k.transpose(0, 1).unsqueeze(0)
         v_cache[view.slot, :, :tokens] = v.transpose(0, 1).unsqueeze(0)
-        queries, keys, values = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
-        return out[0].transpose(0, 1)
+        return DecoderLayer._causal_attention(q, k, v)
 
     def _triton_decode_attention(
         self,
@@ -222,6 +248,34 @@ class DecoderLayer(nn.Module):
             qkv, cos, sin, k_cache, v_cache, decode.slots, decode.positions, arch.num_heads, arch.num_kv_heads
         )
         return kernels_attention.decode_attention(q, k_cache, v_cache, decode.slots, decode.positions, decode.max_len)
+
+    def _triton_prefill_attention(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        view: PrefillView,
+    ) -> torch.Tensor:
+        """`_prefill_attention` with rotary and the cache writes in one kernel, SDPA over the prompt's rows."""
+        from engine import kernels_attention
+
+        arch = self.arch
+        rows = torch.empty(qkv.shape[0], 2 * arch.num_kv_heads, arch.head_dim, dtype=qkv.dtype, device=qkv.device)
+        q = kernels_attention.rope_and_cache(
+            qkv, cos, sin, k_cache, v_cache, view.slot, positions, arch.num_heads, arch.num_kv_heads, kv_out=rows
+        )
+        k, v = rows[:, : arch.num_kv_heads], rows[:, arch.num_kv_heads :]
+        return self._causal_attention(q, k, v)
+
+    @staticmethod
+    def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of one sequence's rows `[T, heads, D]` over themselves."""
+        queries, keys, values = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=True)
+        return out[0].transpose(0, 1)
 
     @staticmethod
     def _decode_attention(
@@ -259,11 +313,11 @@ class DecoderModel(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def use_triton_decode(self, enabled: bool) -> None:
+    def use_triton_attention(self, enabled: bool) -> None:
         """Run decode steps' rotary, cache write and attention in triton (`engine.kernels_attention`; CUDA
         only), or in torch: SDPA over each sequence's keys gathered up to the step's KV length."""
         for layer in self.layers:
-            cast(DecoderLayer, layer).triton_decode = enabled
+            cast(DecoderLayer, layer).triton_attention = enabled
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Copy a loader state dict (our names, separate q/k/v) into the fused parameters."""
@@ -324,9 +378,10 @@ class DecoderModel(nn.Module):
         x = F.embedding(input_ids, self.embed)
         cos = cast(torch.Tensor, self.rope_cos)[positions]
         sin = cast(torch.Tensor, self.rope_sin)[positions]
+        pending: torch.Tensor | None = None
         for layer in self.layers:
-            x = layer(x, cos, sin, seqs, kv, lora, view)
-        return x
+            x, pending = layer(x, pending, positions, cos, sin, seqs, kv, lora, view)
+        return x if pending is None else x + pending
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed if self.lm_head is None else self.lm_head

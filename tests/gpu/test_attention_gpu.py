@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.decode_step import SHAPES, compare_decode_step, replay_with_new_positions
+from tests.support.decode_step import SHAPES, compare_decode_step, compare_prefill, replay_with_new_positions
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -25,3 +25,13 @@ def test_decode_step_matches_the_torch_path(shape: str, max_len: int, dtype: tor
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_graph_replays_other_slots_and_positions(shape: str) -> None:
     assert replay_with_new_positions(shape, 1024, torch.bfloat16) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_prefill_matches_the_torch_path(shape: str, dtype: torch.dtype) -> None:
+    triton_err, torch_err = compare_prefill(shape, 300, dtype, torch.device("cuda"))
+    if dtype == torch.float32:
+        assert triton_err < 1e-4
+    else:
+        assert triton_err < 1.5 * torch_err + 1e-3, (triton_err, torch_err)

@@ -9,7 +9,7 @@ import torch
 
 from engine.config import ModelArch
 from engine.kv_cache import KVCache
-from engine.model import DecoderModel, DecodeView
+from engine.model import DecoderModel, DecodeView, PrefillView
 
 # SmolLM2-135M's attention (9 query heads on 3 KV heads of 64), and Llama-7B's (32 heads of 128, no grouping):
 # query heads, KV heads, head size, hidden size.
@@ -75,7 +75,7 @@ def compare_decode_step(shape: str, max_len: int, dtype: torch.dtype, device: to
     view = DecodeView.of_buffers(slots, positions.to(device), max_len)
     logits = {}
     for kind, runner in (("triton", model), ("torch", model), ("truth", truth_model)):
-        runner.use_triton_decode(kind == "triton")
+        runner.use_triton_attention(kind == "triton")
         logits[kind] = runner.decode(ids, view, caches[kind], None).float()
     assert torch.equal(caches["triton"].v[0], caches["torch"].v[0])
     assert rel_err(caches["triton"].k[0], caches["torch"].k[0]) < (1e-6 if dtype == torch.float32 else 1e-2)
@@ -101,7 +101,7 @@ def replay_with_new_positions(shape: str, max_len: int, dtype: torch.dtype) -> f
     positions = torch.randint(0, max_len, (batch,), generator=gen, device=device)
     view = DecodeView.of_buffers(slots, positions, max_len)
     for kind in ("torch", "triton"):  # the same writes in both caches; triton compiles outside the capture
-        model.use_triton_decode(kind == "triton")
+        model.use_triton_attention(kind == "triton")
         model.decode(ids, view, kv[kind], None)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -112,6 +112,34 @@ def replay_with_new_positions(shape: str, max_len: int, dtype: torch.dtype) -> f
     slots.copy_(new_slots)
     positions.copy_(new_positions)
     graph.replay()
-    model.use_triton_decode(False)
+    model.use_triton_attention(False)
     want = model.decode(ids, DecodeView.of_buffers(new_slots, new_positions, max_len), kv["torch"], None)
     return rel_err(out.float(), want.float())
+
+
+def compare_prefill(shape: str, length: int, dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
+    """Logits after prefilling one prompt of `length` tokens into slot 3 by the triton path and by the torch
+    path, both in `dtype`, against the torch path in fp32; returns (triton's error, torch's error). Also checks
+    the prompt's cache rows the two paths wrote, and that no other slot was written."""
+    spec = two_layer_arch(*SHAPES[shape])
+    gen = torch.Generator().manual_seed(2)
+    model = random_model(spec, gen)
+    truth_model = copy.deepcopy(model).to(device, torch.float32).eval()
+    model = model.to(device, dtype).eval()
+    caches = {
+        "triton": KVCache(spec, 8, 512, dtype, device),
+        "torch": KVCache(spec, 8, 512, dtype, device),
+        "truth": KVCache(spec, 8, 512, torch.float32, device),
+    }
+    ids = torch.randint(0, spec.vocab_size, (length,), generator=gen).to(device)
+    positions = torch.arange(length, device=device)
+    view = PrefillView(slot=torch.tensor([3], device=device), last=torch.tensor([length - 1], device=device))
+    logits = {}
+    for kind, runner in (("triton", model), ("torch", model), ("truth", truth_model)):
+        runner.use_triton_attention(kind == "triton")
+        logits[kind] = runner.prefill(ids, positions, view, caches[kind], None).float()
+    assert torch.equal(caches["triton"].v[0], caches["torch"].v[0])
+    assert rel_err(caches["triton"].k[0], caches["torch"].k[0]) < (1e-6 if dtype == torch.float32 else 1e-2)
+    others = [s for s in range(9) if s != 3]
+    assert not caches["triton"].k[1][others].any() and not caches["triton"].v[1][others].any()
+    return rel_err(logits["triton"], logits["truth"]), rel_err(logits["torch"], logits["truth"])

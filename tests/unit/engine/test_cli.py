@@ -53,9 +53,9 @@ def test_adapter_loader_workers_flag(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_decode_attention_flag() -> None:
     parser = build_parser()
-    assert config_from(parser.parse_args([])).decode_attention == "auto"
-    config_from(parser.parse_args(["--decode-attention", "torch", "--device", "cpu"])).validate()
-    with pytest.raises(ValueError, match="decode_attention must be auto, triton or torch"):
-        config_from(parser.parse_args(["--decode-attention", "flash"])).validate()
-    with pytest.raises(ValueError, match="decode_attention triton needs a CUDA device"):
-        config_from(parser.parse_args(["--decode-attention", "triton", "--device", "cpu"])).validate()
+    assert config_from(parser.parse_args([])).attention_backend == "auto"
+    config_from(parser.parse_args(["--attention-backend", "torch", "--device", "cpu"])).validate()
+    with pytest.raises(ValueError, match="attention_backend must be auto, triton or torch"):
+        config_from(parser.parse_args(["--attention-backend", "flash"])).validate()
+    with pytest.raises(ValueError, match="attention_backend triton needs a CUDA device"):
+        config_from(parser.parse_args(["--attention-backend", "triton", "--device", "cpu"])).validate()

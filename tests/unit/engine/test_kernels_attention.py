@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import apply_rope, rope_tables
-from tests.support.decode_step import compare_decode_step
+from tests.support.decode_step import compare_decode_step, compare_prefill
 from tests.unit.engine.interpreted import INTERPRETED, run_interpreted
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -130,3 +130,34 @@ class TestInterpreted:
             assert triton_err < 1e-4
         else:
             assert triton_err < 1.5 * torch_err + 1e-3, (triton_err, torch_err)
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    def test_model_prefill_matches_the_torch_path(self, dtype: torch.dtype) -> None:
+        """`DecoderModel.prefill` with the rotary kernel writing the prompt's keys (one slot for all rows)."""
+        triton_err, torch_err = compare_prefill("smollm2", 20, dtype, torch.device("cpu"))
+        if dtype == torch.float32:
+            assert triton_err < 1e-4
+        else:
+            assert triton_err < 1.5 * torch_err + 1e-3, (triton_err, torch_err)
+
+    def test_rope_and_cache_writes_a_prompt_and_returns_its_rows(self) -> None:
+        from engine.kernels_attention import rope_and_cache
+
+        heads, kv_heads, head_dim, tokens = 4, 2, 16, 6
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=torch.Generator().manual_seed(3))
+        positions = torch.arange(tokens)
+        cos_table, sin_table = rope_tables(head_dim, MAX_LEN, 10000.0)
+        cos, sin = cos_table[positions], sin_table[positions]
+        k_cache, v_cache = caches(kv_heads, head_dim, torch.float32, 0.0)
+        rows = torch.empty(tokens, 2 * kv_heads, head_dim)
+
+        q = rope_and_cache(qkv, cos, sin, k_cache, v_cache, torch.tensor([2]), positions, heads, kv_heads, rows)
+
+        split = qkv.view(tokens, heads + 2 * kv_heads, head_dim)
+        qk = apply_rope(split[:, : heads + kv_heads], cos, sin)
+        assert rel_err(q, qk[:, :heads]) < 1e-6
+        assert rel_err(rows[:, :kv_heads], qk[:, heads:]) < 1e-6
+        assert torch.equal(rows[:, kv_heads:], split[:, heads + kv_heads :])
+        assert torch.equal(k_cache[2, :, :tokens], rows[:, :kv_heads].transpose(0, 1))
+        assert torch.equal(v_cache[2, :, :tokens], rows[:, kv_heads:].transpose(0, 1))
+        assert not k_cache[[0, 1, 3, 4, 5, 6]].any() and not k_cache[2, :, tokens:].any()
