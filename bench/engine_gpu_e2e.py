@@ -168,7 +168,7 @@ def section_agreement(b: Bench) -> None:
 def section_throughput(b: Bench, engines: dict[str, LLMEngine], prompt: list[int]) -> None:
     """(b) decode tokens/s at batch 32: base, one adapter, 8 distinct (greedy, and sampled with temperature
     0.8 and top-p 0.95: the sampling's share of a step); graphs and eager, and each engine of `engines`
-    (by its decode attention), interleaved."""
+    (labelled by its attention backend and async steps), interleaved."""
     paths = b.adapters(next(iter(engines.values())), "t", 8)
     for eng in engines.values():
         for i, path in enumerate(paths):
@@ -189,7 +189,7 @@ def section_throughput(b: Bench, engines: dict[str, LLMEngine], prompt: list[int
             graphs = eng.graphs
             for mode in modes:
                 eng.graphs = graphs if mode == "graphs" else None
-                key = f"{mode}, {label} attention"
+                key = f"{mode}, {label}"
                 for name, (adapters, params) in mixes.items():
                     reqs: list[Request] = [
                         (f"tp{rep}{key}{name}{i}", prompt, params, a) for i, a in enumerate(adapters)
@@ -209,14 +209,14 @@ def section_throughput(b: Bench, engines: dict[str, LLMEngine], prompt: list[int
         )
     for label in engines if has_graphs else ():
         for name in mixes:
-            ratio = p50(rates[(f"graphs, {label} attention", name)]) / p50(rates[(f"eager, {label} attention", name)])
-            report(f"(b) graphs / eager, {label} attention, {name}: {ratio:.2f}x")
+            ratio = p50(rates[(f"graphs, {label}", name)]) / p50(rates[(f"eager, {label}", name)])
+            report(f"(b) graphs / eager, {label}, {name}: {ratio:.2f}x")
     first, *others = engines
     for label in others:
         for mode in modes:
-            mine, theirs = f"{mode}, {first} attention", f"{mode}, {label} attention"
+            mine, theirs = f"{mode}, {first}", f"{mode}, {label}"
             ratios = ", ".join(f"{n} {p50(rates[(mine, n)]) / p50(rates[(theirs, n)]):.2f}x" for n in mixes)
-            report(f"(b) {mode}, {first} attention / {label} attention: {ratios}")
+            report(f"(b) {mode}, {first} / {label}: {ratios}")
 
 
 def section_cold_start(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
@@ -601,9 +601,14 @@ def main() -> None:
     )
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
     ap.add_argument(
+        "--async-steps",
+        default="on,off",
+        help="async_steps of the engines section b compares, beside each attention backend",
+    )
+    ap.add_argument(
         "--attention-backend",
-        default="triton,torch",
-        help="decode attention of the engines section b compares (the first is the reference of the ratios)",
+        default="triton",
+        help="decode attention of the engines section b compares (the first engine is the ratios' reference)",
     )
     args = ap.parse_args()
     global TRACE, LOADER
@@ -615,7 +620,11 @@ def main() -> None:
         section_agreement(b)
     if "b" in args.only:
         attentions = args.attention_backend.split(",") if args.device == "cuda" else ["torch"]
-        engines = {label: b.engine(attention_backend=label) for label in attentions}
+        engines = {
+            f"{attention} attention, async steps {steps}": b.engine(attention_backend=attention, async_steps=steps)
+            for attention in attentions
+            for steps in args.async_steps.split(",")
+        }
         prompt = next(iter(engines.values())).tokenizer.encode_chat([("user", PROMPT)])
         section_throughput(b, engines, prompt)
         for eng in engines.values():

@@ -38,6 +38,10 @@ class EngineConfig:
     # CUDA decode steps: triton (rotary, KV-cache write and attention reading keys in place; engine/
     # kernels_attention.py) | torch (SDPA over keys gathered per step) | auto (triton on CUDA)
     attention_backend: str = "auto"
+    # on: sample a step's tokens on the device and launch the next step before reading them, so the engine
+    # thread's work per step (a quarter of a CUDA step, bench/RESULTS-gpu.md) overlaps the GPU's. Not yet
+    # measured on a GPU, hence off by default; a CPU engine gains nothing (its steps are synchronous).
+    async_steps: str = "off"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
     # CUDA: the process's GIL switch interval while the engine serves (engine/interpreter.py); 0 keeps Python's
     # (5 ms). Shorter intervals were measured in bench/RESULTS-gpu.md and did not help reliably.
@@ -70,6 +74,8 @@ class EngineConfig:
             raise ValueError(f"adapter_loader must be auto, thread or process, got {self.adapter_loader!r}")
         if self.adapter_eviction not in ("frequency", "lru"):
             raise ValueError(f"adapter_eviction must be frequency or lru, got {self.adapter_eviction!r}")
+        if self.async_steps not in ("on", "off"):
+            raise ValueError(f"async_steps must be on or off, got {self.async_steps!r}")
         if self.attention_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
         if self.attention_backend == "triton" and self.torch_device().type != "cuda":

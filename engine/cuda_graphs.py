@@ -140,9 +140,14 @@ class DecodeGraphs:
         self._graphs[key], self._logits[key] = capture(lambda: self._forward(key), self._pool, self.capture_stream)
 
     def run(
-        self, input_ids: list[int], positions: list[int], kv_slots: list[int], token_slots: list[int]
+        self,
+        input_ids: list[int] | torch.Tensor,
+        positions: list[int],
+        kv_slots: list[int],
+        token_slots: list[int],
     ) -> torch.Tensor | None:
-        """Logits [len(input_ids), vocab] of one decode step, or None when no captured bucket fits it."""
+        """Logits [len(input_ids), vocab] of one decode step, or None when no captured bucket fits it.
+        `input_ids` may be a device tensor (the tokens of a step still in flight)."""
         n = len(input_ids)
         batch = bucket_for(self.batches, n)
         kv_len = bucket_for(self.kv_lens, max(positions) + 1)
@@ -151,10 +156,14 @@ class DecodeGraphs:
         used = sorted({s for s in token_slots if s >= 0})
         key = GraphKey(batch, kv_len, bool(used))
         pad = batch - n
+        on_host = not isinstance(input_ids, torch.Tensor)
+        ids = list(input_ids) if on_host else [0] * n
         host = torch.tensor(
-            [input_ids + [0] * pad, positions + [0] * pad, kv_slots + [self.kv.scratch_slot] * pad], dtype=torch.long
+            [ids + [0] * pad, positions + [0] * pad, kv_slots + [self.kv.scratch_slot] * pad], dtype=torch.long
         )
         self._inputs[:, :batch].copy_(host, non_blocking=True)
+        if isinstance(input_ids, torch.Tensor):
+            self._inputs[0, :n].copy_(input_ids)
         if key.lora:
             padded = token_slots + [-1] * pad
             self._plans[batch].copy_(plan_segments(padded, self.device, block_m=1, num_chunks=batch))

@@ -29,12 +29,41 @@ from engine.lora import LoRABatch, LoRAStacks
 from engine.model import DecoderModel, SeqSlice
 from engine.pinned_arena import PinnedArena, shared_arena_fits
 from engine.pool import AdapterPool, AdapterVersion
-from engine.sampling import SamplingParams, make_generator, sample
+from engine.sampling import SamplingParams, make_generator, sample_tokens
 from engine.scheduler import Scheduler
 from engine.sequence import OutputSink, RequestOutput, SeqStatus, Sequence
 from engine.tokenizer import IncrementalDecoder, Tokenizer
 
 log = logging.getLogger("engine")
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A step whose tokens were sampled on the device and are not read yet (`EngineConfig.async_steps`):
+    its sequences in row order and the tokens, on their way to host memory."""
+
+    order: list[Sequence]
+    tokens: torch.Tensor  # int64 [len(order)] on the engine's device
+    host: torch.Tensor  # the same, copied without waiting (page-locked on CUDA)
+    copied: torch.cuda.Event | None
+
+    @staticmethod
+    def launch(order: list[Sequence], tokens: torch.Tensor) -> _InFlight:
+        if not tokens.is_cuda:
+            return _InFlight(order, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return _InFlight(order, tokens, host, copied)
+
+    def rows(self) -> dict[Sequence, int]:
+        return {seq: i for i, seq in enumerate(self.order)}
+
+    def read(self) -> list[int]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return list(self.host.tolist())
 
 
 class EngineError(Exception):
@@ -124,6 +153,9 @@ class LLMEngine:
         # Benchmarks set a list here to get each step's phases: (schedule, decode, prefill, eager, sample)
         # seconds and (admitted, slot misses); each phase ends with a device sync while it is set.
         self.step_trace: list[tuple[tuple[float, ...], tuple[int, int]]] | None = None
+        # Sample on the device, launch the next step, then read the tokens (`EngineConfig.async_steps`).
+        self.async_steps = config.async_steps == "on"
+        self._inflight: _InFlight | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._settled = self.device.type == "cuda"  # only a GPU engine's step loop is Python-bound
         if self._settled:
@@ -351,11 +383,24 @@ class LLMEngine:
         On CUDA the decoding requests run as one captured graph and each new prompt as a captured prefill
         graph on a second stream, so the GPU overlaps them; prompts longer than the prefill buckets (and
         decode batches no bucket holds) run eagerly.
+
+        With `async_steps` the step's tokens stay on the device: the next step reads its inputs from there,
+        and the engine thread handles this step's tokens (detokenizing, stop checks, outputs) while the GPU
+        already runs the next one. A sequence that the previous step ended (an end token, a stop string)
+        still decodes one row in this step, whose token is dropped; one that it ends by length does not.
         """
+        previous, self._inflight = self._inflight, None
         trace = _StepTrace(self.device, self.pool.slot_misses) if self.step_trace is not None else None
         admitted = set(self.scheduler.schedule())
-        running = list(self.scheduler.running)
+        ending = previous.rows() if previous is not None else {}
+        running = [s for s in self.scheduler.running if not (s in ending and self._ends_by_length(s))]
+        if previous is not None and any(s not in ending for s in running if s not in admitted):
+            self._complete(previous)  # rows without a token in flight: read them first
+            previous = None
+            running = [s for s in running if s.status is SeqStatus.RUNNING]
         if not running:
+            if previous is not None:
+                self._complete(previous)
             return
         if trace:
             trace.mark()
@@ -376,7 +421,7 @@ class LLMEngine:
                         eager.remove(seq)
         if self.graphs is not None:
             decoding = [s for s in running if s not in admitted]
-            logits = self._decode_graphed(decoding) if decoding else None
+            logits = self._decode_graphed(decoding, previous) if decoding else None
             if logits is not None:
                 order, parts = decoding, [logits]
                 eager = [s for s in eager if s in admitted]
@@ -388,32 +433,60 @@ class LLMEngine:
         if trace:
             trace.mark()
         if eager:
-            order, parts = order + eager, [*parts, self._forward_eager(eager, admitted)]
+            order, parts = order + eager, [*parts, self._forward_eager(eager, admitted, previous)]
         if trace:
             trace.mark()
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        tokens = sample(logits, [s.params for s in order], [s.generator for s in order])
+        tokens = sample_tokens(logits, [s.params for s in order], [s.generator for s in order])
+        self.steps += 1
+        if self.async_steps and self.step_trace is None:  # a trace times each phase up to its own tokens
+            self._inflight = _InFlight.launch(order, tokens)
+            if previous is not None:
+                self._complete(previous)
+            return
+        values = tokens.tolist()
+        if previous is not None:
+            self._complete(previous)
         if trace and self.step_trace is not None:
             trace.mark()
             self.step_trace.append((tuple(trace.phases), (len(admitted), self.pool.slot_misses - trace.misses)))
-        self.steps += 1
-        for seq, token in zip(order, tokens, strict=True):
+        for seq, token in zip(order, values, strict=True):
             self._append(seq, token)
 
-    def _decode_graphed(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        assert self.graphs is not None
-        return self.graphs.run(
-            [s.output_ids[-1] for s in seqs],
-            [s.context_len - 1 for s in seqs],
-            [s.kv_slot for s in seqs],
-            [s.lora_slot for s in seqs],
-        )
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether the token in flight for `seq` ends it by max_tokens or the context length."""
+        return len(seq.output_ids) + 1 >= seq.params.max_tokens or seq.context_len + 1 >= self.max_model_len
 
-    def _forward_eager(self, seqs: list[Sequence], admitted: set[Sequence]) -> torch.Tensor:
+    def _complete(self, flight: _InFlight) -> None:
+        """Hand a step's tokens to their sequences; those finished since it was launched drop theirs."""
+        for seq, token in zip(flight.order, flight.read(), strict=True):
+            if seq.status is SeqStatus.RUNNING:
+                self._append(seq, token)
+
+    def _decode_inputs(
+        self, seqs: list[Sequence], previous: _InFlight | None
+    ) -> tuple[list[int] | torch.Tensor, list[int]]:
+        """Input token and position of each decoding sequence: its last token on the host, or on the device
+        while the step that sampled it is in flight (one position further then)."""
+        if previous is None:
+            return [s.output_ids[-1] for s in seqs], [s.context_len - 1 for s in seqs]
+        rows = previous.rows()
+        index = torch.tensor([rows[s] for s in seqs], dtype=torch.long, device=self.device)
+        return previous.tokens.index_select(0, index), [s.context_len for s in seqs]
+
+    def _decode_graphed(self, seqs: list[Sequence], previous: _InFlight | None) -> torch.Tensor | None:
+        assert self.graphs is not None
+        input_ids, positions = self._decode_inputs(seqs, previous)
+        return self.graphs.run(input_ids, positions, [s.kv_slot for s in seqs], [s.lora_slot for s in seqs])
+
+    def _forward_eager(self, seqs: list[Sequence], admitted: set[Sequence], previous: _InFlight | None) -> torch.Tensor:
+        decoding = [s for s in seqs if s not in admitted]
+        decode_ids, decode_positions = self._decode_inputs(decoding, previous)
         input_ids: list[int] = []
         positions: list[int] = []
         token_slots: list[int] = []
         slices: list[SeqSlice] = []
+        decode_rows: list[int] = []
         for seq in seqs:
             start = len(input_ids)
             if seq in admitted:
@@ -421,15 +494,19 @@ class LLMEngine:
                 positions.extend(range(len(seq.prompt_ids)))
                 slices.append(SeqSlice(seq.kv_slot, start, len(seq.prompt_ids), len(seq.prompt_ids)))
             else:
-                input_ids.append(seq.output_ids[-1])
-                positions.append(seq.context_len - 1)
-                slices.append(SeqSlice(seq.kv_slot, start, 1, seq.context_len))
+                position = decode_positions[len(decode_rows)]
+                decode_rows.append(start)
+                input_ids.append(0)  # filled in below, from the host or the device
+                positions.append(position)
+                slices.append(SeqSlice(seq.kv_slot, start, 1, position + 1))
             token_slots.extend([seq.lora_slot] * (len(input_ids) - start))
         dev = self.device
+        ids = torch.tensor(input_ids, device=dev)
+        if decode_rows:
+            values = decode_ids if isinstance(decode_ids, torch.Tensor) else torch.tensor(decode_ids, device=dev)
+            ids.index_copy_(0, torch.tensor(decode_rows, device=dev), values.to(ids.dtype))
         lora = LoRABatch.build(self.stacks, token_slots, dev)
-        return self.model(
-            torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), slices, self.kv, lora
-        )
+        return self.model(ids, torch.tensor(positions, device=dev), slices, self.kv, lora)
 
     def _append(self, seq: Sequence, token: int) -> None:
         params = seq.params

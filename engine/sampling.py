@@ -48,13 +48,20 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of `logits` [B, vocab] (float32).
+    """`sample_tokens`, read back: the step's tokens in one device-to-host copy."""
+    return list(sample_tokens(logits, params, generators).tolist())
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """One token per row of `logits` [B, vocab] (float32), as an int64 tensor on the logits' device.
 
     Greedy rows take the argmax. The other rows are tempered and cut (top-k, then top-p) together, then
     each draws one uniform number, from its own generator if seeded (so that its tokens do not depend on
     its neighbours) and from torch's otherwise, and takes the token where that number falls in its
-    cumulative distribution. All tokens come back in one device-to-host copy, so a GPU step waits once,
-    not once per sampled row (bench/sampling.py).
+    cumulative distribution. Nothing is read back here: `sample` reads all tokens in one copy, so a GPU step
+    waits once, not once per sampled row (bench/sampling.py), and an engine stepping ahead reads them later.
     """
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -73,7 +80,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         target = (uniform * cumulative[:, -1])[:, None]
         drawn = torch.searchsorted(cumulative, target, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
         tokens = tokens.index_copy(0, index, drawn)
-    return list(tokens.tolist())
+    return tokens
 
 
 def _truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -225,3 +225,22 @@ def test_graphs_that_replay_concurrently_were_captured_on_their_own_streams(
     streams = {graphed.graphs.capture_stream, graphed.prefill_graphs.capture_stream}
     assert len(streams) == 2
     assert torch.cuda.graphs.graph.default_capture_stream not in streams
+
+
+def test_async_steps_match_eager(engines: tuple[LLMEngine, LLMEngine]) -> None:
+    """Steps launched before the previous step's tokens are read (`async_steps`), with decode graphs and
+    prefills on their second stream: the eager engine's tokens, on a mixed batch, across a KV bucket and with
+    prompts joining running decodes."""
+    eager, graphed = engines
+    graphed.async_steps = True
+    try:
+        names: list[str | None] = [None, "r4-mlp", "r8-qv", "r16", None, "r16"]
+        requests = list(zip(_prompts(eager, 6), names, strict=True))
+        assert _generate(graphed, requests, tokens=24) == _generate(eager, requests, tokens=24)
+        long_prompt = eager.tokenizer.encode("word " * 230)
+        requests = [(long_prompt, "r16"), (_prompts(eager, 1)[0], None), (long_prompt, None)]
+        assert _generate(graphed, requests, tokens=40) == _generate(eager, requests, tokens=40)
+        prompts = _prompts(eager, 6)
+        assert _join(graphed, prompts, names) == _join(eager, prompts, names)
+    finally:
+        graphed.async_steps = False

@@ -47,11 +47,19 @@ def run(
     return sink
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[LLMEngine]:
+# Each test runs on an engine that reads every step's tokens before the next step, and on one that launches
+# the next step first (`async_steps`): the same outputs either way.
+@pytest.fixture(scope="module", params=["off", "on"], ids=["sync-steps", "async-steps"])
+def engine(request: pytest.FixtureRequest) -> Iterator[LLMEngine]:
     eng = LLMEngine(
         EngineConfig(
-            max_num_seqs=4, max_model_len=256, max_num_batched_tokens=512, max_waiting=8, lora_slots=4, max_lora_rank=16
+            max_num_seqs=4,
+            max_model_len=256,
+            max_num_batched_tokens=512,
+            max_waiting=8,
+            lora_slots=4,
+            max_lora_rank=16,
+            async_steps=request.param,
         )
     )
     eng.start()

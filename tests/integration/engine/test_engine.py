@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from pathlib import Path
@@ -11,7 +12,8 @@ import pytest
 import engine.adapter_loader as loader_module
 from engine.engine import EngineError, LLMEngine
 from engine.sampling import SamplingParams
-from tests.integration.engine.conftest import run
+from engine.sequence import RequestOutput
+from tests.integration.engine.conftest import Collector, run
 from tests.unit.engine.tiny import write_adapter
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -150,3 +152,44 @@ def test_seeded_sampling_is_reproducible_in_any_batch(engine: LLMEngine) -> None
     together.wait()
     neighbour.wait()
     assert together.token_ids == alone.token_ids
+
+
+def test_the_context_length_ends_a_request_beside_others(engine: LLMEngine) -> None:
+    """A request that fills its context ends there, while another decodes on; an engine stepping ahead must
+    not launch a row past the context for it (its KV position would not exist)."""
+    other = run(engine, "beside", chat(engine, "Describe the sea."), SamplingParams(max_tokens=30, ignore_eos=True))
+    full = run(engine, "fills", [42] * 250, SamplingParams(max_tokens=20, ignore_eos=True)).wait()
+    assert (full.finish_reason, full.completion_tokens) == ("length", 6)  # 250 + 6 = max_model_len 256
+    assert other.wait().completion_tokens == 30
+
+
+def test_a_stepping_engine_matches_a_synchronous_one() -> None:
+    """Outputs of every kind of ending (end token, stop string, length), stepped by hand on two engines."""
+    from engine.config import EngineConfig
+
+    results, ahead = [], []
+    for mode in ("off", "on"):
+        eng = LLMEngine(EngineConfig(max_num_seqs=4, max_model_len=128, async_steps=mode))
+        prompts = [chat(eng, text) for text in ("Hi!", "What is the capital of France?", "Count to ten.")]
+        params = [
+            SamplingParams(max_tokens=60),
+            SamplingParams(max_tokens=30, stop=("Paris",)),
+            SamplingParams(max_tokens=12, ignore_eos=True),
+        ]
+        sinks = [Collector() for _ in prompts]
+        launched: list[bool] = []  # per output: was the next step already launched when it was handed out?
+
+        def sink(out: RequestOutput, to: Collector, eng: LLMEngine = eng, launched: list[bool] = launched) -> None:
+            launched.append(eng._inflight is not None)
+            to(out)
+
+        for i, (prompt, p, to) in enumerate(zip(prompts, params, sinks, strict=True)):
+            eng.add_request(f"r{i}", prompt, p, None, functools.partial(sink, to=to))
+        eng.run_until_idle()
+        assert all(s.done.is_set() for s in sinks)
+        results.append([(s.token_ids, s.text, s.outputs[-1].finish_reason) for s in sinks])
+        ahead.append(sum(launched) / len(launched))
+        eng.stop()
+    assert [reason for *_, reason in results[1]] == ["stop", "stop", "length"]
+    assert results[0] == results[1]
+    assert ahead[0] == 0 and ahead[1] > 0.8, ahead  # outputs came out while the next step ran

@@ -59,3 +59,11 @@ def test_decode_attention_flag() -> None:
         config_from(parser.parse_args(["--attention-backend", "flash"])).validate()
     with pytest.raises(ValueError, match="attention_backend triton needs a CUDA device"):
         config_from(parser.parse_args(["--attention-backend", "triton", "--device", "cpu"])).validate()
+
+
+def test_async_steps_flag() -> None:
+    parser = build_parser()
+    assert config_from(parser.parse_args([])).async_steps == "off"
+    assert config_from(parser.parse_args(["--async-steps", "on"])).async_steps == "on"
+    with pytest.raises(ValueError, match="async_steps must be on or off"):
+        config_from(parser.parse_args(["--async-steps", "auto"])).validate()
