@@ -494,17 +494,16 @@ class LLMEngine:
                 positions.extend(range(len(seq.prompt_ids)))
                 slices.append(SeqSlice(seq.kv_slot, start, len(seq.prompt_ids), len(seq.prompt_ids)))
             else:
-                position = decode_positions[len(decode_rows)]
+                i = len(decode_rows)
                 decode_rows.append(start)
-                input_ids.append(0)  # filled in below, from the host or the device
-                positions.append(position)
-                slices.append(SeqSlice(seq.kv_slot, start, 1, position + 1))
+                input_ids.append(0 if isinstance(decode_ids, torch.Tensor) else decode_ids[i])
+                positions.append(decode_positions[i])
+                slices.append(SeqSlice(seq.kv_slot, start, 1, decode_positions[i] + 1))
             token_slots.extend([seq.lora_slot] * (len(input_ids) - start))
         dev = self.device
         ids = torch.tensor(input_ids, device=dev)
-        if decode_rows:
-            values = decode_ids if isinstance(decode_ids, torch.Tensor) else torch.tensor(decode_ids, device=dev)
-            ids.index_copy_(0, torch.tensor(decode_rows, device=dev), values.to(ids.dtype))
+        if isinstance(decode_ids, torch.Tensor) and decode_rows:  # tokens of the step in flight, on the device
+            ids.index_copy_(0, torch.tensor(decode_rows, device=dev), decode_ids.to(ids.dtype))
         lora = LoRABatch.build(self.stacks, token_slots, dev)
         return self.model(ids, torch.tensor(positions, device=dev), slices, self.kv, lora)
 
