@@ -156,13 +156,12 @@ class DecodeGraphs:
         used = sorted({s for s in token_slots if s >= 0})
         key = GraphKey(batch, kv_len, bool(used))
         pad = batch - n
-        on_host = not isinstance(input_ids, torch.Tensor)
-        ids = list(input_ids) if on_host else [0] * n
+        ids = [0] * n if isinstance(input_ids, torch.Tensor) else list(input_ids)
         host = torch.tensor(
             [ids + [0] * pad, positions + [0] * pad, kv_slots + [self.kv.scratch_slot] * pad], dtype=torch.long
         )
         self._inputs[:, :batch].copy_(host, non_blocking=True)
-        if isinstance(input_ids, torch.Tensor):
+        if isinstance(input_ids, torch.Tensor):  # a step's tokens still on the device
             self._inputs[0, :n].copy_(input_ids)
         if key.lora:
             padded = token_slots + [-1] * pad

@@ -7,6 +7,7 @@ request's sink from the engine thread.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -57,7 +58,9 @@ class _InFlight:
         copied.record()
         return _InFlight(order, tokens, host, copied)
 
+    @functools.cached_property
     def rows(self) -> dict[Sequence, int]:
+        """Each sequence's row in `order`."""
         return {seq: i for i, seq in enumerate(self.order)}
 
     def read(self) -> list[int]:
@@ -392,7 +395,7 @@ class LLMEngine:
         previous, self._inflight = self._inflight, None
         trace = _StepTrace(self.device, self.pool.slot_misses) if self.step_trace is not None else None
         admitted = set(self.scheduler.schedule())
-        ending = previous.rows() if previous is not None else {}
+        ending = previous.rows if previous is not None else {}
         running = [s for s in self.scheduler.running if not (s in ending and self._ends_by_length(s))]
         if previous is not None and any(s not in ending for s in running if s not in admitted):
             self._complete(previous)  # rows without a token in flight: read them first
@@ -470,8 +473,7 @@ class LLMEngine:
         while the step that sampled it is in flight (one position further then)."""
         if previous is None:
             return [s.output_ids[-1] for s in seqs], [s.context_len - 1 for s in seqs]
-        rows = previous.rows()
-        index = torch.tensor([rows[s] for s in seqs], dtype=torch.long, device=self.device)
+        index = torch.tensor([previous.rows[s] for s in seqs], dtype=torch.long, device=self.device)
         return previous.tokens.index_select(0, index), [s.context_len for s in seqs]
 
     def _decode_graphed(self, seqs: list[Sequence], previous: _InFlight | None) -> torch.Tensor | None:

@@ -105,6 +105,11 @@ def _rope_cache_kernel(
     tl.store(dst + D // 2 + half, o2.to(dst.dtype.element_ty), mask=ok)
 
 
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("the key and value caches need one layout with a contiguous last axis")
+
+
 def rope_and_cache(
     qkv: torch.Tensor,
     cos: torch.Tensor,
@@ -128,8 +133,7 @@ def rope_and_cache(
     head_dim = k_cache.shape[-1]
     if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
         raise ValueError("qkv must be [T, (H + 2 KVH) * D] with a contiguous last axis")
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError("the key and value caches need one layout with a contiguous last axis")
+    _check_caches(k_cache, v_cache)
     if cos.stride() != sin.stride() or cos.stride(-1) != 1:
         raise ValueError("cos and sin need one layout with a contiguous last axis")
     if slots.shape[0] not in (1, tokens) or positions.shape[0] != tokens:
@@ -317,8 +321,7 @@ def decode_attention(
     kv_heads = k_cache.shape[1]
     if num_heads % kv_heads or k_cache.shape[-1] != head_dim or q.stride(-1) != 1:
         raise ValueError("q must be [T, H, D] with H a multiple of the caches' KV heads and D their head size")
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError("the key and value caches need one layout with a contiguous last axis")
+    _check_caches(k_cache, v_cache)
     if not 0 < max_len <= k_cache.shape[2]:
         raise ValueError(f"max_len must be within 1..{k_cache.shape[2]}, got {max_len}")
     out = torch.empty_like(q)

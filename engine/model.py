@@ -124,7 +124,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, index: int) -> None:
         super().__init__()
         self.arch, self.index = arch, index
-        # CUDA decode steps: rotary, cache write and attention in triton (engine/kernels_attention.py).
+        # CUDA: rotary and cache writes in triton, and decode attention too (engine/kernels_attention.py).
         self.triton_attention = False
         h, q, kv, i = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
         self.input_norm = RMSNorm(h, arch.rms_norm_eps)
@@ -314,8 +314,9 @@ class DecoderModel(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def use_triton_attention(self, enabled: bool) -> None:
-        """Run decode steps' rotary, cache write and attention in triton (`engine.kernels_attention`; CUDA
-        only), or in torch: SDPA over each sequence's keys gathered up to the step's KV length."""
+        """Run rotary and cache writes (decode steps and prefills) and decode attention in triton
+        (`engine.kernels_attention`; CUDA only), or in torch: SDPA over each sequence's keys gathered up to
+        the step's KV length."""
         for layer in self.layers:
             cast(DecoderLayer, layer).triton_attention = enabled
 
