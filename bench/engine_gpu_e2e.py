@@ -168,7 +168,7 @@ def section_agreement(b: Bench) -> None:
 def section_throughput(b: Bench, engines: dict[str, LLMEngine], prompt: list[int]) -> None:
     """(b) decode tokens/s at batch 32: base, one adapter, 8 distinct (greedy, and sampled with temperature
     0.8 and top-p 0.95: the sampling's share of a step); graphs and eager, and each engine of `engines`
-    (labelled by its attention backend and async steps), interleaved."""
+    (labelled by its attention backend, async steps and LoRA shrink mode), interleaved."""
     paths = b.adapters(next(iter(engines.values())), "t", 8)
     for eng in engines.values():
         for i, path in enumerate(paths):
@@ -602,8 +602,13 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
     ap.add_argument(
         "--async-steps",
-        default="on,off",
+        default="off",
         help="async_steps of the engines section b compares, beside each attention backend",
+    )
+    ap.add_argument(
+        "--fold-lora-shrinks",
+        default="on,off",
+        help="fold_lora_shrinks of the engines section b compares, beside each attention backend and async mode",
     )
     ap.add_argument(
         "--attention-backend",
@@ -621,9 +626,12 @@ def main() -> None:
     if "b" in args.only:
         attentions = args.attention_backend.split(",") if args.device == "cuda" else ["torch"]
         engines = {
-            f"{attention} attention, async steps {steps}": b.engine(attention_backend=attention, async_steps=steps)
+            f"{attention} attention, async steps {steps}, folded shrinks {fold}": b.engine(
+                attention_backend=attention, async_steps=steps, fold_lora_shrinks=fold
+            )
             for attention in attentions
             for steps in args.async_steps.split(",")
+            for fold in args.fold_lora_shrinks.split(",")
         }
         prompt = next(iter(engines.values())).tokenizer.encode_chat([("user", PROMPT)])
         section_throughput(b, engines, prompt)

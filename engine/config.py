@@ -39,9 +39,12 @@ class EngineConfig:
     # kernels_attention.py) | torch (SDPA over keys gathered per step) | auto (triton on CUDA)
     attention_backend: str = "auto"
     # on: sample a step's tokens on the device and launch the next step before reading them, so the engine
-    # thread's work per step (a quarter of a CUDA step, bench/RESULTS-gpu.md) overlaps the GPU's. Not yet
-    # measured on a GPU, hence off by default; a CPU engine gains nothing (its steps are synchronous).
+    # thread's work per step overlaps the GPU's. Measured on an H200 (bench/RESULTS-gpu.md): steps in a row
+    # 1-7% shorter, decode tokens/s 0.93-1.00x, hence off by default; a CPU engine gains nothing.
     async_steps: str = "off"
+    # on: CUDA decode steps fold the q/k/v, gate/up and down LoRA shrinks into the norm and SiLU kernels that
+    # write their inputs (engine/kernels_shrink_fused.py): three launches a layer fewer. off: separate shrinks.
+    fold_lora_shrinks: str = "on"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
     # CUDA: the process's GIL switch interval while the engine serves (engine/interpreter.py); 0 keeps Python's
     # (5 ms). Shorter intervals were measured in bench/RESULTS-gpu.md and did not help reliably.
@@ -76,6 +79,8 @@ class EngineConfig:
             raise ValueError(f"adapter_eviction must be frequency or lru, got {self.adapter_eviction!r}")
         if self.async_steps not in ("on", "off"):
             raise ValueError(f"async_steps must be on or off, got {self.async_steps!r}")
+        if self.fold_lora_shrinks not in ("on", "off"):
+            raise ValueError(f"fold_lora_shrinks must be on or off, got {self.fold_lora_shrinks!r}")
         if self.attention_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
         if self.attention_backend == "triton" and self.torch_device().type != "cuda":

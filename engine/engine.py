@@ -122,7 +122,14 @@ class LLMEngine:
         model.load_state(state)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.use_triton_attention(self.device.type == "cuda" and config.attention_backend != "torch")
-        self.stacks = LoRAStacks(arch, config.lora_slots, config.max_lora_rank, self.dtype, self.device)
+        self.stacks = LoRAStacks(
+            arch,
+            config.lora_slots,
+            config.max_lora_rank,
+            self.dtype,
+            self.device,
+            fold_shrinks=config.fold_lora_shrinks == "on",
+        )
         self.kv = KVCache(arch, self._kv_slots(), self.max_model_len, self.dtype, self.device)
         eviction = LRUPolicy() if config.adapter_eviction == "lru" else DecayedFrequencyPolicy()
         loader: AdapterLoader

@@ -170,7 +170,7 @@ def _expand_grouped(
         r = int(rank_of[s])
         if r == 0:
             continue
-        hs = h.index_select(0, idx)
+        hs = h.index_select(0, idx).to(b_stack.dtype)  # an fp32 h (a folded shrink's) rounds as the kernels do
         for sl, (n0, n1) in enumerate(bounds):
             delta = hs[:, sl * r_slice : sl * r_slice + r] @ b_stack[s, n0:n1, :r].t()
             y[:, n0:n1].index_add_(0, idx, delta.to(y.dtype), alpha=float(scale_of[s]))

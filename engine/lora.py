@@ -151,9 +151,13 @@ class LoRAStacks:
         dtype: torch.dtype,
         device: torch.device,
         fused: bool | None = None,
+        fold_shrinks: bool = False,
     ):
-        """`fused` (default: on CUDA) lays each projection group out as one stack (see below)."""
+        """`fused` (default: on CUDA) lays each projection group out as one stack (see below). `fold_shrinks`:
+        decode-sized CUDA steps fold the q/k/v, gate/up and down shrinks into the norm and SiLU kernels that
+        write their inputs (`LoRABatch.norm`, `LoRABatch.silu_and_mul`)."""
         self.slots, self.max_rank, self.dtype = slots, max_rank, dtype
+        self.fold_shrinks = fold_shrinks
         shapes = arch.projection_shapes()
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
@@ -437,9 +441,56 @@ class LoRABatch:
             return None
         return torch.zeros(num_tokens, self.stacks.h_width, dtype=torch.float32, device=self.token_slots.device)
 
-    def apply_group(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+    def _folded_h(self, layer: int, group: str) -> torch.Tensor | None:
+        """`group`'s columns of the step's workspace where its shrink folds into the kernel before it: CUDA
+        decode-sized steps (one token per chunk, a shared workspace) of stacks that fold; None elsewhere."""
+        plan, h = self.plan, self.h
+        if not self.stacks.fold_shrinks or plan is None or h is None or plan.block_m != 1:
+            return None
+        if self.modules.isdisjoint(PROJECTION_GROUPS[group]):
+            return None
+        start, width = self.stacks.h_offsets[(layer, group)]
+        return h[:, start : start + width]
+
+    def norm(
+        self, layer: int, group: str, x: torch.Tensor, pending: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(x + pending, rms_norm(x + pending) * weight)` (`pending` None: `x` and its norm) with `group`'s
+        shrink of the normed rows folded in (`engine.kernels_shrink_fused`); None where this step does not fold
+        it. After it, `apply_group(..., shrunk=True)` expands."""
+        h = self._folded_h(layer, group)
+        if h is None:
+            return None
+        from engine import kernels_shrink_fused
+
+        stacks = self.stacks
+        return kernels_shrink_fused.add_rms_norm_shrink(
+            x,
+            pending,
+            weight,
+            eps,
+            stacks.group_a[(layer, group)],
+            stacks.group_ranks[group],
+            self.token_slots,
+            h,
+            num_slices=len(PROJECTION_GROUPS[group]),
+        )
+
+    def silu_and_mul(self, layer: int, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """`silu(gate) * up` with the down shrink of its rows folded in, as `norm` folds its group's."""
+        h = self._folded_h(layer, "down")
+        if h is None:
+            return None
+        from engine import kernels_shrink_fused
+
+        stacks = self.stacks
+        a, ranks = stacks.group_a[(layer, "down")], stacks.group_ranks["down"]
+        return kernels_shrink_fused.silu_and_mul_shrink(gate_up, a, ranks, self.token_slots, h)
+
+    def apply_group(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor, *, shrunk: bool = False) -> None:
         """`apply` for every projection of `group` (`PROJECTION_GROUPS`), whose outputs are the column
-        slices of `y` in member order; on CUDA one shrink and one expand cover them all."""
+        slices of `y` in member order; on CUDA one shrink and one expand cover them all. `shrunk`: the
+        step's workspace already holds the group's shrink (`norm`, `silu_and_mul`), only the expand runs."""
         members = PROJECTION_GROUPS[group]
         if self.modules.isdisjoint(members):
             return
@@ -449,18 +500,16 @@ class LoRABatch:
             if self.h is not None:
                 start, width = stacks.h_offsets[(layer, group)]
                 h = self.h[:, start : start + width]
-            kernels.lora_apply(
-                y,
-                x,
-                stacks.group_a[(layer, group)],
-                stacks.group_b[(layer, group)],
-                stacks.group_ranks[group],
-                stacks.scalings,
-                self.token_slots,
-                slice_sizes=stacks.group_slices[group],
-                plan=self.plan,
-                h=h,
-            )
+            b, ranks, slices = stacks.group_b[(layer, group)], stacks.group_ranks[group], stacks.group_slices[group]
+            if not shrunk:
+                a = stacks.group_a[(layer, group)]
+                kernels.lora_apply(
+                    y, x, a, b, ranks, stacks.scalings, self.token_slots, slice_sizes=slices, plan=self.plan, h=h
+                )
+                return
+            if h is None:
+                raise ValueError("a folded shrink needs the step's workspace")
+            kernels.lora_expand(y, h, b, ranks, stacks.scalings, self.token_slots, slice_sizes=slices, plan=self.plan)
             return
         n0 = 0
         for module, width in zip(members, stacks.group_slices[group], strict=True):

@@ -153,13 +153,10 @@ class DecoderLayer(nn.Module):
         MLP output out."""
         arch = self.arch
         q_size, kv_size = arch.q_size, arch.kv_size
-        if pending is None:
-            normed = self.input_norm(x)
-        else:
-            x, normed = add_rms_norm(x, pending, self.input_norm)
+        x, normed, shrunk = self._norm(x, pending, self.input_norm, lora, "qkv")
         qkv = F.linear(normed, self.qkv_weight, self.qkv_bias)
         if lora is not None:
-            lora.apply_group(self.index, "qkv", normed, qkv)
+            lora.apply_group(self.index, "qkv", normed, qkv, shrunk=shrunk)
         tokens = x.shape[0]
         k_cache, v_cache = kv.k[self.index], kv.v[self.index]
         if isinstance(view, DecodeView) and self.triton_attention:
@@ -182,15 +179,31 @@ class DecoderLayer(nn.Module):
         o = F.linear(attn_flat, self.o_weight)
         if lora is not None:
             lora.apply_group(self.index, "o", attn_flat, o)
-        x, normed = add_rms_norm(x, o, self.post_norm)
+        x, normed, shrunk = self._norm(x, o, self.post_norm, lora, "gate_up")
         gate_up = F.linear(normed, self.gate_up_weight)
         if lora is not None:
-            lora.apply_group(self.index, "gate_up", normed, gate_up)
-        hidden = silu_and_mul(gate_up)
+            lora.apply_group(self.index, "gate_up", normed, gate_up, shrunk=shrunk)
+        hidden = lora.silu_and_mul(self.index, gate_up) if lora is not None else None
+        shrunk = hidden is not None
+        if hidden is None:
+            hidden = silu_and_mul(gate_up)
         down = F.linear(hidden, self.down_weight)
         if lora is not None:
-            lora.apply_group(self.index, "down", hidden, down)
+            lora.apply_group(self.index, "down", hidden, down, shrunk=shrunk)
         return x, down
+
+    def _norm(
+        self, x: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm, lora: LoRABatch | None, group: str
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The residual stream (plus `pending`, when given) and its norm, and whether `group`'s LoRA shrink was
+        folded into the norm's kernel (`LoRABatch.norm`: CUDA decode-sized steps)."""
+        if lora is not None:
+            folded = lora.norm(self.index, group, x, pending, norm.weight, norm.eps)
+            if folded is not None:
+                return *folded, True
+        if pending is None:
+            return x, norm(x), False
+        return *add_rms_norm(x, pending, norm), False
 
     @staticmethod
     def _attention(

@@ -67,3 +67,11 @@ def test_async_steps_flag() -> None:
     assert config_from(parser.parse_args(["--async-steps", "on"])).async_steps == "on"
     with pytest.raises(ValueError, match="async_steps must be on or off"):
         config_from(parser.parse_args(["--async-steps", "auto"])).validate()
+
+
+def test_fold_lora_shrinks_flag() -> None:
+    parser = build_parser()
+    assert config_from(parser.parse_args([])).fold_lora_shrinks == "on"
+    assert config_from(parser.parse_args(["--fold-lora-shrinks", "off"])).fold_lora_shrinks == "off"
+    with pytest.raises(ValueError, match="fold_lora_shrinks must be on or off"):
+        config_from(parser.parse_args(["--fold-lora-shrinks", "auto"])).validate()
