@@ -43,8 +43,9 @@ class EngineConfig:
     # 1-7% shorter, decode tokens/s 0.93-1.00x, hence off by default; a CPU engine gains nothing.
     async_steps: str = "off"
     # on: CUDA decode steps fold the q/k/v, gate/up and down LoRA shrinks into the norm and SiLU kernels that
-    # write their inputs (engine/kernels_shrink_fused.py): three launches a layer fewer. off: separate shrinks.
-    fold_lora_shrinks: str = "on"
+    # write their inputs (engine/kernels_shrink_fused.py): three launches a layer fewer. Measured on an H200
+    # (bench/RESULTS-gpu.md): graphed steps 0.99-1.00x, eager ones 1.02-1.12x, hence off by default.
+    fold_lora_shrinks: str = "off"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
     # CUDA: the process's GIL switch interval while the engine serves (engine/interpreter.py); 0 keeps Python's
     # (5 ms). Shorter intervals were measured in bench/RESULTS-gpu.md and did not help reliably.

@@ -6,6 +6,10 @@ Why: at decode sizes each LoRA launch costs about as much as its work (bench/RES
 just wrote. Here those shrinks cost no launch of their own. For decode-sized steps only (one token per work
 unit, as `lora_plan.default_block_m` plans them): each row's programs read its adapter's A themselves.
 
+Measured on an H200 (bench/engine_layer_gpu.py, bench/engine_gpu_e2e.py): in CUDA graphs 0.99-1.00x the
+separate shrinks (the folded work lengthens the norm by what the launches saved), eager steps 1.02-1.12x.
+Hence opt-in (`EngineConfig.fold_lora_shrinks`).
+
 Semantics (pseudo-code), rows t, hidden size N, intermediate size I, rank blocks of 16, fp32 inside;
 `s = token_slots[t]`, `r = ranks[s]`, A stacked as the shrink kernel takes it (`a_stack[S, L*R, K]`, the
 slices' A along the rank axis, `engine.kernels_triton`), h fp32 and zeroed by the caller:
@@ -21,7 +25,8 @@ slices' A along the rank axis, `engine.kernels_triton`), h fp32 and zeroed by th
 
 `out` is the rounded output, as a separate shrink would read it. The torch definitions: `reference_*` below.
 Layout: one program per (row, unit). The norm's unit 0 writes the row; each of its other units computes the row's
-norm itself and one (slice, rank block) of h, so no program waits on another. The SiLU kernel's programs each
+norm scale itself and adds one (slice, rank block, block of 512 columns) share of h, so no program waits on
+another. The SiLU kernel's programs each
 own a block of columns and add their block's share of h (atomics).
 """
 
@@ -118,41 +123,47 @@ def _add_rms_norm_shrink_kernel(
     eps: tl.tensor,
     N: tl.constexpr,
     R_BLOCKS: tl.constexpr,
+    K_SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_DELTA: tl.constexpr,
 ) -> None:
     t = tl.program_id(0).to(tl.int64)
-    unit = tl.program_id(1) - 1  # -1: the program that writes the row
+    # Program 0 of a row writes it; the others each take one (slice, rank block, block of K) of its shrink.
+    unit = tl.program_id(1) - 1
+    k_block = unit % K_SPLITS
+    rank_unit = unit // K_SPLITS
     x_row, delta_row = x_ptr + t * stride_x, delta_ptr + t * stride_delta
     slot = tl.load(slots_ptr + t).to(tl.int64)
     rank = tl.load(ranks_ptr + tl.maximum(slot, 0))
-    if (unit >= 0) & ((slot < 0) | ((unit % R_BLOCKS) * RANK_BLOCK >= rank)):
+    if (unit >= 0) & ((slot < 0) | ((rank_unit % R_BLOCKS) * RANK_BLOCK >= rank)):
         return  # a row on no adapter, or a rank block wholly past the slot's rank
     # Every program sums the squares in the same blocks, so all see the same scale and the same rounded row.
     squares = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range((N + BLOCK - 1) // BLOCK):
+    for i in range(K_SPLITS):
         offs = i * BLOCK + tl.arange(0, BLOCK)
         s = _row_sum(x_row, offs, offs < N, delta_row, HAS_DELTA)
         squares += s * s
     scale = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / N + eps)
-    local = (unit % R_BLOCKS) * RANK_BLOCK + tl.arange(0, RANK_BLOCK)
-    rows = (unit // R_BLOCKS) * r_slice + local
-    a_rows = a_ptr + slot * stride_as + rows[:, None].to(tl.int64) * stride_ar
-    acc = tl.zeros((RANK_BLOCK,), dtype=tl.float32)
-    for i in range((N + BLOCK - 1) // BLOCK):
-        offs = i * BLOCK + tl.arange(0, BLOCK)
+    if unit < 0:
+        for i in range(K_SPLITS):
+            offs = i * BLOCK + tl.arange(0, BLOCK)
+            ok = offs < N
+            s = _row_sum(x_row, offs, ok, delta_row, HAS_DELTA)
+            weight = tl.load(weight_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            if HAS_DELTA:
+                tl.store(sum_ptr + t * N + offs, s.to(sum_ptr.dtype.element_ty), mask=ok)
+            tl.store(out_ptr + t * N + offs, (s * scale * weight).to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        local = (rank_unit % R_BLOCKS) * RANK_BLOCK + tl.arange(0, RANK_BLOCK)
+        rows = (rank_unit // R_BLOCKS) * r_slice + local
+        offs = k_block * BLOCK + tl.arange(0, BLOCK)
         ok = offs < N
         s = _row_sum(x_row, offs, ok, delta_row, HAS_DELTA)
         weight = tl.load(weight_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        y = (s * scale * weight).to(out_ptr.dtype.element_ty)
-        if unit < 0:
-            if HAS_DELTA:
-                tl.store(sum_ptr + t * N + offs, s.to(sum_ptr.dtype.element_ty), mask=ok)
-            tl.store(out_ptr + t * N + offs, y, mask=ok)
-        else:
-            at = tl.load(a_rows + offs[None, :], mask=(local < rank)[:, None] & ok[None, :], other=0.0)
-            acc += tl.sum(at.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)
-    if unit >= 0:
+        y = (s * scale * weight).to(out_ptr.dtype.element_ty).to(tl.float32)
+        a_rows = a_ptr + slot * stride_as + rows[:, None].to(tl.int64) * stride_ar
+        at = tl.load(a_rows + offs[None, :], mask=(local < rank)[:, None] & ok[None, :], other=0.0)
+        acc = tl.sum(at.to(tl.float32) * y[None, :], axis=1)
         tl.atomic_add(h_ptr + t * stride_ht + rows, acc, mask=local < rank, sem="relaxed")
 
 
@@ -196,7 +207,9 @@ def add_rms_norm_shrink(
     out = torch.empty_like(x)
     if tokens:
         r_blocks = triton.cdiv(r_slice, _RANK_ROWS)
-        _add_rms_norm_shrink_kernel[(tokens, 1 + num_slices * r_blocks)](
+        block = min(_NORM_BLOCK, triton.next_power_of_2(size))
+        k_splits = triton.cdiv(size, block)
+        _add_rms_norm_shrink_kernel[(tokens, 1 + num_slices * r_blocks * k_splits)](
             x,
             x if delta is None else delta,
             weight,
@@ -215,7 +228,8 @@ def add_rms_norm_shrink(
             eps,
             N=size,
             R_BLOCKS=r_blocks,
-            BLOCK=min(_NORM_BLOCK, triton.next_power_of_2(size)),
+            K_SPLITS=k_splits,
+            BLOCK=block,
             HAS_DELTA=delta is not None,
             num_warps=4,
         )

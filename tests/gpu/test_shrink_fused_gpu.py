@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import kernels_shrink_fused as ksf
+from tests.support.lora_fold import decode_logits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -51,3 +52,9 @@ def test_silu_and_mul_shrink(inter: int) -> None:
     want_out = ksf.reference_silu_and_mul_shrink(gate_up, a, ranks, slots, want_h)
     assert rel_err(out, want_out) < 1e-2
     assert rel_err(h, want_h) < 1e-2
+
+
+def test_folded_decode_step_matches_separate_shrinks() -> None:
+    """The model's decode step (fp32) with folded shrinks against the separate triton shrinks."""
+    logits = decode_logits(torch.device("cuda"))
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)

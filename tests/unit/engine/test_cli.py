@@ -71,7 +71,7 @@ def test_async_steps_flag() -> None:
 
 def test_fold_lora_shrinks_flag() -> None:
     parser = build_parser()
-    assert config_from(parser.parse_args([])).fold_lora_shrinks == "on"
-    assert config_from(parser.parse_args(["--fold-lora-shrinks", "off"])).fold_lora_shrinks == "off"
+    assert config_from(parser.parse_args([])).fold_lora_shrinks == "off"
+    assert config_from(parser.parse_args(["--fold-lora-shrinks", "on"])).fold_lora_shrinks == "on"
     with pytest.raises(ValueError, match="fold_lora_shrinks must be on or off"):
         config_from(parser.parse_args(["--fold-lora-shrinks", "auto"])).validate()

@@ -1,0 +1,51 @@
+"""One decode step of a tiny model on a mix of adapters, its LoRA shrinks folded into the norm and SiLU kernels
+(`LoRAStacks.fold_shrinks`) or separate: shared by the interpreted CPU test and the GPU test."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv_cache import KVCache
+from engine.lora import LoRABatch, LoRAStacks
+from engine.lora_plan import plan_segments
+from engine.model import DecodeView
+from tests.support.decode_step import random_model
+from tests.unit.engine.test_lora import random_adapter
+from tests.unit.engine.tiny import TINY
+
+# Base rows, adapters of ranks 2, 8 and 4; the rank-4 one has no down projection and the rank-2 one touches
+# neither gate/up nor down, so some rows skip a folded shrink.
+TOKEN_SLOTS = [-1, 0, 1, 3, 1, 0, -1]
+
+
+def _stacks(fold: bool, device: torch.device) -> LoRAStacks:
+    stacks = LoRAStacks(TINY, 4, 8, torch.float32, device, fused=True, fold_shrinks=fold)
+    stacks.set_lora(0, random_adapter(2, 2.0, ("q_proj", "v_proj", "o_proj"), seed=1))
+    stacks.set_lora(1, random_adapter(8, 0.5, ("q_proj", "k_proj", "gate_proj", "down_proj"), seed=2))
+    stacks.set_lora(3, random_adapter(4, 1.0, ("v_proj", "up_proj"), seed=3))
+    return stacks
+
+
+@torch.inference_mode()
+def decode_logits(device: torch.device) -> dict[bool, torch.Tensor]:
+    """The step's fp32 logits with folded shrinks (True) and separate ones (False), from the same inputs."""
+    gen = torch.Generator().manual_seed(5)
+    model = random_model(TINY, gen).to(device).eval()
+    rows, max_len = len(TOKEN_SLOTS), 32
+    ids = torch.randint(0, TINY.vocab_size, (rows,), generator=gen).to(device)
+    positions = torch.randint(0, max_len, (rows,), generator=gen).to(device)
+    kv_shape = KVCache(TINY, rows, max_len, torch.float32, torch.device("cpu")).k[0].shape
+    past = [torch.randn(kv_shape, generator=gen).to(device) for _ in range(TINY.num_layers)]
+    logits = {}
+    for fold in (False, True):
+        kv = KVCache(TINY, rows, max_len, torch.float32, device)
+        for layer in range(TINY.num_layers):
+            kv.k[layer].copy_(past[layer])
+            kv.v[layer].copy_(past[layer].flip(-1))
+        slots = torch.tensor(TOKEN_SLOTS, dtype=torch.int32, device=device)
+        stacks = _stacks(fold, device)
+        stacks.wait_ready(range(stacks.slots))
+        batch = LoRABatch.static(stacks, slots, plan_segments(TOKEN_SLOTS, device, block_m=1))
+        view = DecodeView.of_buffers(torch.arange(rows, device=device), positions, max_len)
+        logits[fold] = model.decode(ids, view, kv, batch).float()
+    return logits
