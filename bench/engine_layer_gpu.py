@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-import triton
+from engine_gpu import BATCH, DEV, DTYPE, KV_LEN, RANK, SLOTS, capture, median_us  # a sibling script
 
 from engine.config import ModelArch
 from engine.kv_cache import KVCache
@@ -25,8 +25,6 @@ from engine.lora import AdapterWeights, LoRABatch, LoRAStacks
 from engine.lora_plan import chunk_capacity, plan_segments
 from engine.model import DecoderModel, DecodeView
 
-BATCH, KV_LEN, RANK, SLOTS = 64, 512, 16, 64
-DEV, DTYPE = torch.device("cuda"), torch.bfloat16
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MIXES = {
     "one adapter": [0] * BATCH,
@@ -87,22 +85,6 @@ def base_bytes(spec: ModelArch) -> int:
     return weights + 2 * BATCH * KV_LEN * kv * 2
 
 
-def median_us(fn: object) -> float:
-    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")) * 1e3  # type: ignore[arg-type]
-
-
-def capture(fn: object) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    stream = torch.cuda.Stream(DEV)
-    stream.wait_stream(torch.cuda.current_stream(DEV))
-    with torch.cuda.stream(stream):
-        fn()  # type: ignore[operator]
-    torch.cuda.current_stream(DEV).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()  # type: ignore[operator]
-    return graph, out
-
-
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
@@ -145,11 +127,11 @@ def main() -> None:
         if err > 2e-2:
             raise AssertionError("folded and separate shrinks disagree")
     layers = spec.num_layers
-    base = median_us(base_graph.replay) / layers
+    base = median_us(base_graph.replay, quick=False) / layers
     summary = [f"no LoRA: {base:.1f} us per layer (Llama-7B dims, batch {BATCH}, KV {KV_LEN}, graphs)"]
     for name, mix in MIXES.items():
         use(mix)
-        times = {fold: median_us(graph.replay) / layers for fold, (graph, _) in graphs.items()}
+        times = {fold: median_us(graph.replay, quick=False) / layers for fold, (graph, _) in graphs.items()}
         distinct = len(set(mix))
         bound = base_bytes(spec) / (base_bytes(spec) + distinct * adapter_bytes(spec))
         for fold, t in times.items():

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.kernels import lora_shrink_reference
 from engine.kernels_triton import RANK_BLOCK
 
 _RANK_ROWS: int = RANK_BLOCK.value  # the same on the host
@@ -81,14 +82,11 @@ def _reference_shrink(
     h: torch.Tensor,
     num_slices: int,
 ) -> None:
+    # `kernels.lora_shrink_reference` per slice, on fp32 inputs so that h stays unrounded as the kernels keep it.
     r_slice = a_stack.shape[1] // num_slices
-    for t, s in enumerate(token_slots.tolist()):
-        if s < 0:
-            continue
-        r = int(ranks[s])
-        for begin in range(0, a_stack.shape[1], r_slice):
-            rows = slice(begin, begin + r)
-            h[t, rows] += a_stack[s, rows].float() @ out[t].float()
+    for begin in range(0, a_stack.shape[1], r_slice):
+        rows = slice(begin, begin + r_slice)
+        h[:, rows] += lora_shrink_reference(out.float(), a_stack[:, rows].float(), ranks, token_slots)
 
 
 @triton.jit
