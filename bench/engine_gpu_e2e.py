@@ -168,7 +168,7 @@ def section_agreement(b: Bench) -> None:
 def section_throughput(b: Bench, engines: dict[str, LLMEngine], prompt: list[int]) -> None:
     """(b) decode tokens/s at batch 32: base, one adapter, 8 distinct (greedy, and sampled with temperature
     0.8 and top-p 0.95: the sampling's share of a step); graphs and eager, and each engine of `engines`
-    (labelled by its attention backend, async steps and LoRA shrink mode), interleaved."""
+    (labelled by its attention backend, async steps, LoRA shrink mode and LoRA GEMM), interleaved."""
     paths = b.adapters(next(iter(engines.values())), "t", 8)
     for eng in engines.values():
         for i, path in enumerate(paths):
@@ -277,8 +277,9 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
     as their requests arrive, once on the stepping thread itself and once on another thread, as the
     server's gRPC handlers do: the first puts the registration's header check (milliseconds of Python) into
     a gap of every running request, which a server's step loop never runs. Then again with the 16 running
-    requests on adapters, as a LoRA gateway's are: requests on those adapters join, and cold ones."""
-    paths = b.adapters(eng, "x", 48)
+    requests on adapters, as a LoRA gateway's are: requests on those adapters join, and cold ones, the latter
+    with and without slot fills ahead (`EngineConfig.adapter_fills_ahead`)."""
+    paths = b.adapters(eng, "x", 60)
     for i in range(12):
         eng.load_adapter(f"xw{i}", str(paths[i]), wait=True)
         ttft(eng, f"xwarm{i}", prompt, f"xw{i}")
@@ -333,7 +334,10 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
                 name = {"warm": f"xw{j}", "running": f"xw{j % 4}"}.get(arrivals, f"xc{tag}{j}")
                 params = SamplingParams(max_tokens=4, ignore_eos=True)
                 if arrivals == "cold-elsewhere":  # register, then request, on an admin thread
-                    joins.append(admin.submit(join_cold, name, str(paths[first_path + j]), f"xq{tag}{k}", params))
+                    sink_to = joiner_sink(time.perf_counter())  # its TTFT includes the registration
+                    joins.append(
+                        admin.submit(join_cold, name, str(paths[first_path + j]), f"xq{tag}{k}", params, sink_to)
+                    )
                 else:
                     if arrivals == "cold":
                         t = time.perf_counter()
@@ -371,10 +375,12 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
     joiner_ttft: defaultdict[str, list[float]] = defaultdict(list)  # joining requests' own TTFT, by gaps' tag
     admin = ThreadPoolExecutor(max_workers=1, thread_name_prefix="admin")
 
-    def join_cold(name: str, path: str, rid: str, params: SamplingParams) -> None:
+    def join_cold(
+        name: str, path: str, rid: str, params: SamplingParams, sink: Callable[[RequestOutput], None]
+    ) -> None:
         t = time.perf_counter()
         eng.load_adapter(name, path, wait=False)
-        eng.add_request(rid, prompt, params, name, lambda o: None)
+        eng.add_request(rid, prompt, params, name, sink)
         register_s.append(time.perf_counter() - t)
 
     gaps("none", "warmup")
@@ -415,8 +421,11 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
         gaps("running", "rl", running_on=on_adapters),
     )
     cold_lora = gaps("cold-elsewhere", "ol", first_path=36, running_on=on_adapters)
+    fills_ahead, eng.fills_ahead = eng.fills_ahead, 0
+    cold_lora_on_admission = gaps("cold-elsewhere", "oa", first_path=48, running_on=on_adapters)
+    eng.fills_ahead = fills_ahead
     admin.shutdown()
-    for tag in ("e", "ol"):
+    for tag in ("e", "ol", "oa"):
         versions = (eng.pool.lookup(f"xc{tag}{j}") for j in range(12))
         served = [v.requests_served if v is not None else 0 for v in versions]
         if served != [1] * 12:
@@ -427,6 +436,13 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
         f"({p99(running_lora) / p99(steady_lora):.2f}x steady; their TTFT p50 {p50(joiner_ttft['rl']) * 1e3:.2f} ms); "
         f"while 12 cold-adapter requests join and load, registered on another thread, {p99(cold_lora) * 1e3:.2f} ms "
         f"({p99(cold_lora) / p99(steady_lora):.2f}x steady)"
+    )
+    report_loader(
+        f"(d) those cold joins with slots filled only when a step admits the request (adapter_fills_ahead 0, "
+        f"against {fills_ahead}): {p99(cold_lora_on_admission) * 1e3:.2f} ms "
+        f"({p99(cold_lora_on_admission) / p99(steady_lora):.2f}x steady; fills ahead / on admission "
+        f"{p99(cold_lora) / p99(cold_lora_on_admission):.2f}x); their own TTFT p50 "
+        f"{p50(joiner_ttft['ol']) * 1e3:.2f} against {p50(joiner_ttft['oa']) * 1e3:.2f} ms"
     )
 
 
@@ -611,6 +627,11 @@ def main() -> None:
         help="fold_lora_shrinks of the engines section b compares, beside each attention backend and async mode",
     )
     ap.add_argument(
+        "--lora-gemm",
+        default="on,off",
+        help="lora_gemm of the engines section b compares, beside each of the axes above",
+    )
+    ap.add_argument(
         "--attention-backend",
         default="triton",
         help="decode attention of the engines section b compares (the first engine is the ratios' reference)",
@@ -626,12 +647,13 @@ def main() -> None:
     if "b" in args.only:
         attentions = args.attention_backend.split(",") if args.device == "cuda" else ["torch"]
         engines = {
-            f"{attention} attention, async steps {steps}, folded shrinks {fold}": b.engine(
-                attention_backend=attention, async_steps=steps, fold_lora_shrinks=fold
+            f"{attention} attention, async steps {steps}, folded shrinks {fold}, LoRA GEMM {gemm}": b.engine(
+                attention_backend=attention, async_steps=steps, fold_lora_shrinks=fold, lora_gemm=gemm
             )
             for attention in attentions
             for steps in args.async_steps.split(",")
             for fold in args.fold_lora_shrinks.split(",")
+            for gemm in args.lora_gemm.split(",")
         }
         prompt = next(iter(engines.values())).tokenizer.encode_chat([("user", PROMPT)])
         section_throughput(b, engines, prompt)

@@ -32,6 +32,10 @@ class EngineConfig:
     # CUDA with loader processes: page-locked shared memory taken at start-up, which the loaders write host
     # images straight into (beyond it, each image is pinned alone)
     pinned_adapter_memory_mb: int = 1024
+    # Slot fills per step for the requests next to join, done after the step is launched and before its
+    # tokens are read, so a cold request's copy overlaps the GPU's work instead of lengthening the step that
+    # admits it (AdapterPool.fill_ahead). 0: fill only when a step admits the request.
+    adapter_fills_ahead: int = 2
     default_max_tokens: int = 256
     gpu_memory_utilization: float = 0.9  # share of free GPU memory the KV cache may take
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
@@ -46,6 +50,10 @@ class EngineConfig:
     # write their inputs (engine/kernels_shrink_fused.py): three launches a layer fewer. Measured on an H200
     # (bench/RESULTS-gpu.md): graphed steps 0.99-1.00x, eager ones 1.02-1.12x, hence off by default.
     fold_lora_shrinks: str = "off"
+    # on: CUDA decode steps run each projection as one triton GEMM with its LoRA inside
+    # (engine/kernels_gemm_lora.py): one adapter for the batch costs no launch of its own, several cost the
+    # shrinks alone (or nothing more with fold_lora_shrinks). Off until measured in the engine.
+    lora_gemm: str = "off"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
     # CUDA: the process's GIL switch interval while the engine serves (engine/interpreter.py); 0 keeps Python's
     # (5 ms). Shorter intervals were measured in bench/RESULTS-gpu.md and did not help reliably.
@@ -68,6 +76,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.adapter_loader_workers <= 64:
             raise ValueError(f"adapter_loader_workers must be within 0..64, got {self.adapter_loader_workers}")
+        if not 0 <= self.adapter_fills_ahead <= 64:
+            raise ValueError(f"adapter_fills_ahead must be within 0..64, got {self.adapter_fills_ahead}")
         if self.pinned_adapter_memory_mb < 0:
             raise ValueError(f"pinned_adapter_memory_mb must be >= 0, got {self.pinned_adapter_memory_mb}")
         if self.gil_switch_interval_ms < 0:
@@ -82,6 +92,8 @@ class EngineConfig:
             raise ValueError(f"async_steps must be on or off, got {self.async_steps!r}")
         if self.fold_lora_shrinks not in ("on", "off"):
             raise ValueError(f"fold_lora_shrinks must be on or off, got {self.fold_lora_shrinks!r}")
+        if self.lora_gemm not in ("on", "off"):
+            raise ValueError(f"lora_gemm must be on or off, got {self.lora_gemm!r}")
         if self.attention_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
         if self.attention_backend == "triton" and self.torch_device().type != "cuda":

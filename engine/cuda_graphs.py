@@ -45,6 +45,7 @@ class GraphKey:
     batch: int
     kv_len: int
     lora: bool
+    single: bool = False  # one adapter for every LoRA row (stacks with `lora_gemm` capture these apart)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -115,7 +116,8 @@ class DecodeGraphs:
 
     @property
     def keys(self) -> list[GraphKey]:
-        return [GraphKey(b, n, lora) for b in self.batches for n in self.kv_lens for lora in (False, True)]
+        kinds = [(False, False), (True, False)] + ([(True, True)] if self.stacks.lora_gemm else [])
+        return [GraphKey(b, n, lora, single) for b in self.batches for n in self.kv_lens for lora, single in kinds]
 
     def capture_all(self) -> None:
         """Capture every bucket, largest first so the smaller graphs reuse the shared memory pool."""
@@ -133,7 +135,9 @@ class DecodeGraphs:
     def _forward(self, key: GraphKey) -> torch.Tensor:
         b = key.batch
         view = DecodeView.of_buffers(self._inputs[2, :b], self._inputs[1, :b], key.kv_len)
-        lora = LoRABatch.static(self.stacks, self._token_slots[:b], self._plans[b]) if key.lora else None
+        lora = None
+        if key.lora:
+            lora = LoRABatch.static(self.stacks, self._token_slots[:b], self._plans[b], single=key.single)
         return self.model.decode(self._inputs[0, :b], view, self.kv, lora)
 
     def _capture(self, key: GraphKey) -> None:
@@ -154,7 +158,7 @@ class DecodeGraphs:
         if batch is None or kv_len is None:
             return None
         used = sorted({s for s in token_slots if s >= 0})
-        key = GraphKey(batch, kv_len, bool(used))
+        key = GraphKey(batch, kv_len, bool(used), self.stacks.lora_gemm and len(used) == 1)
         pad = batch - n
         ids = [0] * n if isinstance(input_ids, torch.Tensor) else list(input_ids)
         host = torch.tensor(

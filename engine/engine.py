@@ -129,6 +129,7 @@ class LLMEngine:
             self.dtype,
             self.device,
             fold_shrinks=config.fold_lora_shrinks == "on",
+            lora_gemm=config.lora_gemm == "on",
         )
         self.kv = KVCache(arch, self._kv_slots(), self.max_model_len, self.dtype, self.device)
         eviction = LRUPolicy() if config.adapter_eviction == "lru" else DecayedFrequencyPolicy()
@@ -165,6 +166,7 @@ class LLMEngine:
         self.step_trace: list[tuple[tuple[float, ...], tuple[int, int]]] | None = None
         # Sample on the device, launch the next step, then read the tokens (`EngineConfig.async_steps`).
         self.async_steps = config.async_steps == "on"
+        self.fills_ahead = config.adapter_fills_ahead
         self._inflight: _InFlight | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._settled = self.device.type == "cuda"  # only a GPU engine's step loop is Python-bound
@@ -449,6 +451,7 @@ class LLMEngine:
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         tokens = sample_tokens(logits, [s.params for s in order], [s.generator for s in order])
         self.steps += 1
+        self._fill_ahead()
         if self.async_steps and self.step_trace is None:  # a trace times each phase up to its own tokens
             self._inflight = _InFlight.launch(order, tokens)
             if previous is not None:
@@ -462,6 +465,16 @@ class LLMEngine:
             self.step_trace.append((tuple(trace.phases), (len(admitted), self.pool.slot_misses - trace.misses)))
         for seq, token in zip(order, values, strict=True):
             self._append(seq, token)
+
+    def _fill_ahead(self) -> None:
+        """While the GPU runs the step just launched, copy the adapters of the requests next to join into
+        slots (`AdapterPool.fill_ahead`); requests that arrived meanwhile are taken in first."""
+        if not self.fills_ahead:
+            return
+        self._drain_commands()
+        upcoming = [s.adapter for s in self.scheduler.upcoming() if s.adapter is not None]
+        if upcoming:
+            self.pool.fill_ahead(upcoming, self.fills_ahead)
 
     def _ends_by_length(self, seq: Sequence) -> bool:
         """Whether the token in flight for `seq` ends it by max_tokens or the context length."""

@@ -152,12 +152,15 @@ class LoRAStacks:
         device: torch.device,
         fused: bool | None = None,
         fold_shrinks: bool = False,
+        lora_gemm: bool = False,
     ):
         """`fused` (default: on CUDA) lays each projection group out as one stack (see below). `fold_shrinks`:
         decode-sized CUDA steps fold the q/k/v, gate/up and down shrinks into the norm and SiLU kernels that
-        write their inputs (`LoRABatch.norm`, `LoRABatch.silu_and_mul`)."""
+        write their inputs (`LoRABatch.norm`, `LoRABatch.silu_and_mul`). `lora_gemm`: decode-sized CUDA steps
+        run each projection as one GEMM with its LoRA inside (`LoRABatch.project`)."""
         self.slots, self.max_rank, self.dtype = slots, max_rank, dtype
         self.fold_shrinks = fold_shrinks
+        self.lora_gemm = lora_gemm
         shapes = arch.projection_shapes()
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
@@ -405,6 +408,7 @@ class LoRABatch:
             if s >= 0:
                 groups.setdefault(s, []).append(t)
         self.segments = [_Segment.of(stacks, s, rows, device) for s, rows in groups.items()]
+        self.single = len(self.segments) == 1  # one adapter for every row that has one
         self.modules: frozenset[str] = frozenset().union(*(seg.modules for seg in self.segments))
         # Many adapters over few tokens (decode) on the CPU: multiply by every slot at once and keep each
         # token's own slot through a scaled one-hot mask; 3 ops per projection whatever the adapter count.
@@ -422,14 +426,16 @@ class LoRABatch:
             self.dense_mask = mask
 
     @classmethod
-    def static(cls, stacks: LoRAStacks, token_slots: torch.Tensor, plan: SegmentPlan) -> LoRABatch:
+    def static(
+        cls, stacks: LoRAStacks, token_slots: torch.Tensor, plan: SegmentPlan, single: bool = False
+    ) -> LoRABatch:
         """A CUDA batch over preallocated `token_slots` and `plan` buffers, for capture in a CUDA graph.
 
         It applies every projection (per-projection ranks make the kernels skip what a slot lacks), so a
-        replay serves whatever adapters the refilled plan names.
+        replay serves whatever adapters the refilled plan names; `single`: replays name at most one slot.
         """
         batch = cls.__new__(cls)
-        batch.stacks, batch.token_slots, batch.plan = stacks, token_slots, plan
+        batch.stacks, batch.token_slots, batch.plan, batch.single = stacks, token_slots, plan, single
         batch.segments, batch.modules, batch.dense_mask = [], stacks.modules, None
         batch.h = batch._workspace(token_slots.shape[0])
         return batch
@@ -446,6 +452,8 @@ class LoRABatch:
         decode-sized steps (one token per chunk, a shared workspace) of stacks that fold; None elsewhere."""
         plan, h = self.plan, self.h
         if not self.stacks.fold_shrinks or plan is None or h is None or plan.block_m != 1:
+            return None
+        if self.stacks.lora_gemm and self.single:  # the GEMMs compute their own h (`project`)
             return None
         if self.modules.isdisjoint(PROJECTION_GROUPS[group]):
             return None
@@ -486,6 +494,29 @@ class LoRABatch:
         stacks = self.stacks
         a, ranks = stacks.group_a[(layer, "down")], stacks.group_ranks["down"]
         return kernels_shrink_fused.silu_and_mul_shrink(gate_up, a, ranks, self.token_slots, h)
+
+    def project(
+        self, layer: int, group: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """`x @ weight.T + bias` with `group`'s LoRA inside the GEMM (`engine.kernels_gemm_lora`): the GEMM's
+        programs compute h for their rows beside the weight tiles they stream and add h @ B before they store,
+        no launch of LoRA's own. On decode-sized CUDA steps of stacks with `lora_gemm` whose rows use one
+        adapter (`single`), where the group's slices share a column tile; None elsewhere (then `F.linear` and
+        `apply_group`)."""
+        plan, stacks = self.plan, self.stacks
+        if not (stacks.lora_gemm and self.single) or plan is None or plan.block_m != 1:
+            return None
+        if self.modules.isdisjoint(PROJECTION_GROUPS[group]):
+            return None
+        from engine import kernels_gemm_lora
+
+        sizes = stacks.group_slices[group]
+        if kernels_gemm_lora.block_n_for(sizes, sum(sizes)) is None:
+            return None
+        a, b, ranks = stacks.group_a[(layer, group)], stacks.group_b[(layer, group)], stacks.group_ranks[group]
+        return kernels_gemm_lora.gemm_lora(
+            x, weight, bias, a, b, ranks, stacks.scalings, self.token_slots, slice_sizes=sizes
+        )
 
     def apply_group(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor, *, shrunk: bool = False) -> None:
         """`apply` for every projection of `group` (`PROJECTION_GROUPS`), whose outputs are the column

@@ -154,9 +154,7 @@ class DecoderLayer(nn.Module):
         arch = self.arch
         q_size, kv_size = arch.q_size, arch.kv_size
         x, normed, shrunk = self._norm(x, pending, self.input_norm, lora, "qkv")
-        qkv = F.linear(normed, self.qkv_weight, self.qkv_bias)
-        if lora is not None:
-            lora.apply_group(self.index, "qkv", normed, qkv, shrunk=shrunk)
+        qkv = self._project("qkv", normed, self.qkv_weight, self.qkv_bias, lora, shrunk)
         tokens = x.shape[0]
         k_cache, v_cache = kv.k[self.index], kv.v[self.index]
         if isinstance(view, DecodeView) and self.triton_attention:
@@ -176,21 +174,35 @@ class DecoderLayer(nn.Module):
             else:
                 attn = self._attention(q, k, v, k_cache, v_cache, seqs)
         attn_flat = attn.reshape(tokens, q_size)
-        o = F.linear(attn_flat, self.o_weight)
-        if lora is not None:
-            lora.apply_group(self.index, "o", attn_flat, o)
+        o = self._project("o", attn_flat, self.o_weight, None, lora, False)
         x, normed, shrunk = self._norm(x, o, self.post_norm, lora, "gate_up")
-        gate_up = F.linear(normed, self.gate_up_weight)
-        if lora is not None:
-            lora.apply_group(self.index, "gate_up", normed, gate_up, shrunk=shrunk)
+        gate_up = self._project("gate_up", normed, self.gate_up_weight, None, lora, shrunk)
         hidden = lora.silu_and_mul(self.index, gate_up) if lora is not None else None
         shrunk = hidden is not None
         if hidden is None:
             hidden = silu_and_mul(gate_up)
-        down = F.linear(hidden, self.down_weight)
-        if lora is not None:
-            lora.apply_group(self.index, "down", hidden, down, shrunk=shrunk)
+        down = self._project("down", hidden, self.down_weight, None, lora, shrunk)
         return x, down
+
+    def _project(
+        self,
+        group: str,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        lora: LoRABatch | None,
+        shrunk: bool,
+    ) -> torch.Tensor:
+        """`group`'s projection of `x` plus its LoRA delta: one GEMM with the LoRA inside where the step runs
+        them so (`LoRABatch.project`), else the base GEMM and then the LoRA kernels."""
+        if lora is not None and not shrunk:
+            y = lora.project(self.index, group, x, weight, bias)
+            if y is not None:
+                return y
+        y = F.linear(x, weight, bias)
+        if lora is not None:
+            lora.apply_group(self.index, group, x, y, shrunk=shrunk)
+        return y
 
     def _norm(
         self, x: torch.Tensor, pending: torch.Tensor | None, norm: RMSNorm, lora: LoRABatch | None, group: str

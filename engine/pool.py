@@ -2,7 +2,8 @@
 
 Thread model: gRPC handlers register adapters; the engine thread acquires and releases slots; a small
 executor reads weights from disk. One lock guards the tables; weight copies into slots happen on the
-engine thread only, between steps.
+engine thread only: when a step admits a request (`acquire`), or earlier, while the GPU runs the step
+before it (`fill_ahead`).
 
 Versions make hot swap safe: registering a name again creates a new `AdapterVersion` that loads in the
 background while the old one keeps serving; once the new weights are in host memory the name switches to
@@ -103,12 +104,15 @@ class AdapterPool:
         self._staged: dict[str, AdapterVersion] = {}  # new versions loading while the current one serves
         self._retired: list[AdapterVersion] = []
         self._slots: list[AdapterVersion | None] = [None] * stacks.slots
+        # Filled ahead for a waiting request that has not acquired them yet: other fills ahead leave them be.
+        self._unclaimed: set[AdapterVersion] = set()
         self._loader: AdapterLoader = loader if loader is not None else ThreadLoader(dtype, stacks.layout)
         self.on_loaded: list[Callable[[], None]] = []
         self.loads_started = 0
         self.evictions = 0
         self.slot_hits = 0  # acquires that found the version already in a slot
-        self.slot_misses = 0
+        self.slot_misses = 0  # acquires that needed a fill, their own or one ahead for them (`fill_ahead`)
+        self.fills_ahead = 0
         self.negative_ttl_s = 10.0
 
     def close(self) -> None:
@@ -195,25 +199,50 @@ class AdapterPool:
             if version.slot is None:
                 if version.weights is None:
                     return None
-                slot = self._free_slot()
+                slot = self._free_slot(spare=self._unclaimed)
+                if slot is None:  # only adapters filled ahead for other requests are idle: take one of those
+                    slot = self._free_slot()
                 if slot is None:
                     return None
+                self._fill(slot, version)
                 self.slot_misses += 1
-                try:
-                    self._stacks.set_lora(slot, version.weights)
-                except BaseException:
-                    self._stacks.reset_lora(slot)  # the evicted adapter's table entry must not stay behind
-                    raise
-                self._slots[slot] = version
-                version.slot = slot
-                self._eviction.on_insert(version.key, 1, time.monotonic())
+            elif version in self._unclaimed:
+                self.slot_misses += 1  # filled ahead for this very request: a miss whose copy nobody waited for
             else:
                 self.slot_hits += 1
+            self._unclaimed.discard(version)
             self._eviction.on_access(version.key, 1, time.monotonic())
             version.active += 1
             version.requests_served += 1
             version.last_used = time.monotonic()
             return version.slot
+
+    def fill_ahead(self, upcoming: list[AdapterVersion], most: int) -> int:
+        """Copy up to `most` of `upcoming` (the adapters of the requests next to join, in order) into slots
+        before a step acquires them; returns how many it copied.
+
+        The engine calls this after launching a step and before waiting for its tokens, so the fills' CPU
+        work overlaps the GPU's, and their copies are done by the time the next step prefills the requests:
+        a cold request then joins the batch like a warm one instead of lengthening the step it joins. Takes
+        free slots or idle adapters', never the slot of an upcoming request's adapter.
+        """
+        with self._lock:
+            self._unclaimed.intersection_update(upcoming)  # a request that left the queue holds no fill
+            spare = set(upcoming)  # an upcoming request's adapter, resident or filled ahead, stays
+            filled = 0
+            for version in upcoming:
+                if filled == most:
+                    break
+                if version.slot is not None or version.weights is None:
+                    continue
+                slot = self._free_slot(spare=spare)
+                if slot is None:
+                    break
+                self._fill(slot, version)
+                self._unclaimed.add(version)
+                filled += 1
+            self.fills_ahead += filled
+            return filled
 
     def release(self, version: AdapterVersion, tokens: int) -> None:
         with self._lock:
@@ -265,11 +294,27 @@ class AdapterPool:
         for callback in self.on_loaded:
             callback()
 
-    def _free_slot(self) -> int | None:
+    def _fill(self, slot: int, version: AdapterVersion) -> None:
+        assert version.weights is not None
+        try:
+            self._stacks.set_lora(slot, version.weights)
+        except BaseException:
+            self._stacks.reset_lora(slot)  # the evicted adapter's table entry must not stay behind
+            raise
+        self._slots[slot] = version
+        version.slot = slot
+        self._eviction.on_insert(version.key, 1, time.monotonic())
+
+    def _free_slot(self, spare: set[AdapterVersion] | None = None) -> int | None:
+        """An empty slot, or the slot of the idle adapter the policy evicts (never one in `spare`)."""
         for slot, holder in enumerate(self._slots):
             if holder is None:
                 return slot
-        idle = {v.key: slot for slot, v in enumerate(self._slots) if v is not None and v.active == 0 and not v.pinned}
+        idle = {
+            v.key: slot
+            for slot, v in enumerate(self._slots)
+            if v is not None and v.active == 0 and not v.pinned and not (spare and v in spare)
+        }
         key = self._eviction.victim(idle, time.monotonic())
         if key is None:
             return None
@@ -279,6 +324,7 @@ class AdapterPool:
         self._eviction.on_remove(key)
         evicted.slot = None
         self._slots[slot] = None
+        self._unclaimed.discard(evicted)
         # No reset: the fill that follows (`acquire`) replaces the slot whole, table entry included, and no
         # step reads it meanwhile (its adapter was idle). Clearing it first cost every slot miss another table
         # write on the engine's thread.
@@ -309,6 +355,7 @@ class AdapterPool:
             self._slots[version.slot] = None
             self._stacks.reset_lora(version.slot)
             version.slot = None
+        self._unclaimed.discard(version)
         self._discard_weights(version)
 
     def _discard_weights(self, version: AdapterVersion) -> None:

@@ -53,6 +53,19 @@ class Scheduler:
             budget -= len(seq.prompt_ids)
         return admitted
 
+    def upcoming(self) -> list[Sequence]:
+        """The waiting requests the next `schedule` would try to admit, in its order: as many as there are
+        free KV slots, within the prefill token budget. Changes nothing (their adapters may still load)."""
+        picked: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        for seq in self.waiting:
+            if len(picked) >= self.kv.free_slots:
+                break
+            if len(seq.prompt_ids) <= budget:
+                picked.append(seq)
+                budget -= len(seq.prompt_ids)
+        return picked
+
     def finish(self, seq: Sequence) -> None:
         """Release everything `seq` holds; it may be waiting or running."""
         if seq.status is SeqStatus.RUNNING:

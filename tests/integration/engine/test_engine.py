@@ -193,3 +193,33 @@ def test_a_stepping_engine_matches_a_synchronous_one() -> None:
     assert [reason for *_, reason in results[1]] == ["stop", "stop", "length"]
     assert results[0] == results[1]
     assert ahead[0] == 0 and ahead[1] > 0.8, ahead  # outputs came out while the next step ran
+
+
+def test_an_adapter_is_filled_ahead_while_the_step_before_its_request_runs(tmp_path: Path) -> None:
+    """A request arriving while a step runs has its adapter copied into a slot during that step, so the
+    step that admits it copies nothing; its tokens are those of an engine that fills slots on admission."""
+    from engine.config import EngineConfig
+
+    outputs, fills = [], []
+    for ahead in (2, 0):
+        eng = LLMEngine(EngineConfig(max_num_seqs=4, max_model_len=128, lora_slots=2, adapter_fills_ahead=ahead))
+        eng.load_adapter("late", str(write_adapter(tmp_path / "late", arch=eng.arch, rank=8, seed=3)), wait=True)
+        version = eng.pool.lookup("late")
+        assert version is not None
+        base, late = Collector(), Collector()
+        eng.add_request("base", chat(eng, "Count to ten."), SamplingParams(max_tokens=8, ignore_eos=True), None, base)
+        eng._drain_commands()
+        eng.step()  # the base request runs
+        eng.add_request(
+            "late", chat(eng, "Name a colour."), SamplingParams(max_tokens=6, ignore_eos=True), "late", late
+        )
+        eng.step()  # the late request arrives while this step runs
+        assert not late.outputs
+        fills.append((version.slot is not None, eng.pool.fills_ahead))
+        eng.run_until_idle()
+        assert late.done.is_set() and base.done.is_set()
+        assert eng.pool.slot_misses == 1
+        outputs.append((base.token_ids, late.token_ids))
+        eng.stop()
+    assert fills == [(True, 1), (False, 0)]
+    assert outputs[0] == outputs[1]

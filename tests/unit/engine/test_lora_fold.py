@@ -1,5 +1,6 @@
-"""A decode step whose LoRA shrinks are folded into the norm and SiLU kernels (`LoRAStacks.fold_shrinks`) against
-the same step with separate shrinks, interpreted on the CPU (tests/gpu/test_shrink_fused_gpu.py runs it compiled).
+"""A decode step whose LoRA shrinks are folded into the norm and SiLU kernels (`LoRAStacks.fold_shrinks`), or whose
+projections carry their LoRA inside the GEMM (`LoRAStacks.lora_gemm`), against the same step with separate shrinks
+and expands, interpreted on the CPU (tests/gpu/test_shrink_fused_gpu.py runs it compiled).
 
 The interpreted case runs in a child pytest with TRITON_INTERPRET=1 (`test_triton_interpreted`).
 """
@@ -11,7 +12,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.support.lora_fold import decode_logits
+from tests.support.lora_fold import FOLDED, ONE_ADAPTER, SEPARATE, decode_logits
 from tests.unit.engine.interpreted import INTERPRETED, run_interpreted
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -36,4 +37,26 @@ class TestInterpreted:
         logits = decode_logits(torch.device("cpu"))
         # Two norms and one SiLU per layer, each folded once.
         assert sorted(folds) == ["add_rms_norm_shrink"] * 4 + ["silu_and_mul_shrink"] * 2
-        torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits[FOLDED], logits[SEPARATE], rtol=1e-5, atol=1e-5)
+
+    @pytest.mark.parametrize("token_slots", [None, ONE_ADAPTER], ids=["adapter-mix", "one-adapter"])
+    def test_lora_inside_the_gemm_gives_the_separate_kernels_logits(
+        self, monkeypatch: pytest.MonkeyPatch, token_slots: list[int] | None
+    ) -> None:
+        from engine import kernels_gemm_lora
+
+        modes: list[str] = []
+        gemm = kernels_gemm_lora.gemm_lora
+        monkeypatch.setattr(
+            kernels_gemm_lora,
+            "gemm_lora",
+            lambda *a, **kw: modes.append("single" if kw.get("h") is None else "gathered") or gemm(*a, **kw),
+        )
+        variants = (SEPARATE, (False, True), (True, True))
+        slots = {} if token_slots is None else {"token_slots": token_slots}
+        logits = decode_logits(torch.device("cpu"), variants=variants, **slots)
+        # One adapter: 4 projections a layer, 2 layers, 2 variants with the GEMM, each computing h itself (with
+        # folding on too: a one-adapter step folds no shrink). A mix of adapters keeps the separate kernels.
+        assert modes == ([] if token_slots is None else ["single"] * 16)
+        for variant in variants[1:]:
+            torch.testing.assert_close(logits[variant], logits[SEPARATE], rtol=1e-5, atol=1e-5)

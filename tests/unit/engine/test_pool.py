@@ -245,3 +245,38 @@ def test_an_evicting_fill_leaves_nothing_of_the_evicted_adapter(tmp_path: Path, 
             torch.testing.assert_close(ys[0], ys[1])
     finally:
         pool.close()
+
+
+def test_fill_ahead_fills_the_next_requests_adapters_and_their_acquire_counts_the_miss(
+    pool: AdapterPool, tmp_path: Path
+) -> None:
+    a, b = (_loaded(pool, n, write_adapter(tmp_path / n, seed=i)) for i, n in enumerate("ab"))
+    assert pool.fill_ahead([a, b], most=1) == 1  # at most `most`, in the requests' order
+    assert a.state is AdapterState.RESIDENT and b.state is AdapterState.HOST
+    assert pool.fill_ahead([a, b], most=2) == 1  # a is already in its slot
+    slot = b.slot
+    assert pool.acquire(b) == slot and b.active == 1
+    assert (pool.slot_misses, pool.slot_hits, pool.fills_ahead) == (1, 0, 2)  # b's fill was ahead, still a miss
+    pool.release(b, tokens=1)
+    assert pool.acquire(b) == slot and pool.slot_hits == 1  # from then on its slot is a hit
+
+
+def test_fill_ahead_never_evicts_an_upcoming_or_busy_adapter(pool: AdapterPool, tmp_path: Path) -> None:
+    a, b, c = (_loaded(pool, n, write_adapter(tmp_path / n, seed=i)) for i, n in enumerate("abc"))
+    pool.acquire(a)
+    pool.release(a, tokens=1)  # idle in its slot, but a request for it is next in line
+    pool.acquire(b)  # busy
+    assert pool.fill_ahead([a, c], most=2) == 0
+    assert a.slot is not None and c.slot is None and pool.evictions == 0
+    assert pool.fill_ahead([c], most=2) == 1  # nobody waits for a any more: its slot may go
+    assert a.slot is None and c.slot is not None
+
+
+def test_a_fill_ahead_is_kept_for_its_request_until_that_leaves_the_queue(pool: AdapterPool, tmp_path: Path) -> None:
+    a, b, c = (_loaded(pool, n, write_adapter(tmp_path / n, seed=i)) for i, n in enumerate("abc"))
+    assert pool.fill_ahead([a, b], most=2) == 2  # both slots, neither acquired yet
+    assert pool.fill_ahead([a, b, c], most=2) == 0  # c's fill ahead must not undo a's or b's
+    assert pool.fill_ahead([b, c], most=2) == 1  # a's request left the queue (aborted, say)
+    assert a.slot is None and b.slot is not None and c.slot is not None
+    assert pool.acquire(a) is not None  # a step's own fill may still take an unacquired slot
+    assert pool.acquire(b) is not None and pool.acquire(c) is None  # both slots now busy

@@ -1,0 +1,256 @@
+"""Decode projections with their LoRA inside the base GEMM (CUDA decode steps; opt-in `EngineConfig.lora_gemm`).
+
+Why: at decode sizes the separate shrink and expand kernels cost about 40 us per Llama-7B layer for one adapter
+on an H200, the latency of their chains of dependent loads rather than their bytes (bench/RESULTS-gpu.md). A
+triton GEMM streams a projection's weight as fast as cuBLAS does at 64 rows (`.gpu` probe, same file), and its
+programs can do the LoRA work beside the weight tiles they already load.
+
+Semantics (pseudo-code). Rows t, columns n of the fused output (the slices' columns side by side: q/k/v,
+gate/up), fp32 inside; `s = token_slots[t]`, `r = ranks[s]`, slice l the one holding column n, A stacked as
+the shrink kernel takes it (`a_stack[S, L*R, K]`) and `bt[s, j, n]` the rank-major B (`b_stack[s, n, j]`):
+
+    h[t, l*R + j] = a_stack[s, l*R + j] @ x[t]                                   for j < r
+    y[t, n] = round(x[t] @ w[n] + bias[n] + (s >= 0) * scalings[s] * h[t, l*R : l*R + r] @ bt[s, :r, n])
+
+for batches whose rows with an adapter all have the same slot (one adapter for the batch, base rows beside
+it). Each program computes h for its rows itself, in the same pass over K that streams its weight tile (A is
+a few rows beside the tile), and adds h @ B for its columns before it stores: no other launch.
+
+Layout: one program per (tile of BLOCK_M rows, tile of BLOCK_N columns), BLOCK_N dividing every slice so a
+tile lies in one slice. With PDL (Hopper) the slots, ranks, scalings, B tile and bias are read before waiting
+for the kernel before this one. The torch definition: `reference_gemm_lora`.
+
+Batches of several adapters keep the separate kernels: a version that took h from the shrink kernel and
+gathered each row's B in the GEMM's epilogue ran at x0.50-0.73 of them (bench/RESULTS-gpu.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from engine import kernels_triton
+from engine.kernels import lora_expand_reference, lora_shrink_reference
+from engine.kernels_triton import MAX_SLICES, RANK_BLOCK
+
+_BLOCK_K = 128
+_MIN_TILES = 96
+_SHARED_MEMORY_BUDGET = 220 * 1024
+
+
+def reference_gemm_lora(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    a_stack: torch.Tensor,
+    b_stack: torch.Tensor,
+    ranks: torch.Tensor,
+    scalings: torch.Tensor,
+    token_slots: torch.Tensor,
+    *,
+    slice_sizes: Sequence[int],
+) -> torch.Tensor:
+    """`gemm_lora` in torch (fp32 inside, the output rounded once)."""
+    base = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    r_slice, n0 = b_stack.shape[2], 0
+    for sl, width in enumerate(slice_sizes):
+        rows = slice(sl * r_slice, (sl + 1) * r_slice)
+        h = lora_shrink_reference(x.float(), a_stack[:, rows].float(), ranks, token_slots)
+        part = base[:, n0 : n0 + width]  # a view: the reference adds into `base`
+        lora_expand_reference(part, h, b_stack[:, n0 : n0 + width].float(), ranks, scalings, token_slots)
+        n0 += width
+    return base.to(x.dtype)
+
+
+@triton.jit
+def _gemm_lora_kernel(
+    x_ptr: tl.tensor,
+    w_ptr: tl.tensor,
+    bias_ptr: tl.tensor,
+    y_ptr: tl.tensor,
+    slots_ptr: tl.tensor,
+    a_ptr: tl.tensor,
+    b_ptr: tl.tensor,
+    ranks_ptr: tl.tensor,
+    scalings_ptr: tl.tensor,
+    num_tokens: int,
+    start1: int,
+    start2: int,
+    start3: int,
+    stride_xm: int,
+    stride_wn: int,
+    stride_ym: int,
+    stride_as: int,
+    stride_ar: int,
+    stride_bs: int,
+    stride_bn: int,
+    stride_br: int,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    GDC: tl.constexpr,
+) -> None:
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_rows = rows < num_tokens
+    in_cols = cols < N
+    n0 = pid_n * BLOCK_N
+    sl = (n0 >= start1).to(tl.int32) + (n0 >= start2).to(tl.int32) + (n0 >= start3).to(tl.int32)
+    rr = tl.arange(0, BLOCK_R)
+    # Prologue: everything no kernel of the step writes (slots, ranks, scalings, B, bias come from host copies
+    # and adapter fills). With PDL it runs while the kernel before this one finishes; x only after the wait.
+    slots = tl.load(slots_ptr + rows, mask=in_rows, other=-1)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)
+    # One slot for every row that has one: the tile's largest (base rows and padding are -1).
+    slot = tl.max(slots, axis=0)
+    safe_slot = tl.maximum(slot, 0)
+    rank = tl.where(slot >= 0, tl.load(ranks_ptr + safe_slot), 0)
+    scale = tl.load(scalings_ptr + safe_slot)
+    a_rows = (rr < rank) & (rr < R)
+    a_base = a_ptr + safe_slot.to(tl.int64) * stride_as + (sl * R + rr).to(tl.int64) * stride_ar
+    bt = tl.load(
+        b_ptr + safe_slot.to(tl.int64) * stride_bs + rr[:, None] * stride_br + cols[None, :] * stride_bn,
+        mask=a_rows[:, None] & in_cols[None, :],
+        other=0.0,
+    )
+    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    kk = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + kk
+        in_k = ks < K
+        xt = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=in_rows[:, None] & in_k[None, :], other=0.0)
+        wt = tl.load(w_ptr + cols[None, :] * stride_wn + ks[:, None], mask=in_cols[None, :] & in_k[:, None], other=0.0)
+        if UPCAST:
+            acc = tl.dot(xt.to(tl.float32), wt.to(tl.float32), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
+        at = tl.load(a_base[None, :] + ks[:, None], mask=a_rows[None, :] & in_k[:, None], other=0.0)
+        if UPCAST:
+            h = tl.dot(xt.to(tl.float32), at.to(tl.float32), h, input_precision=PRECISION)
+        else:
+            h = tl.dot(xt, at, h, input_precision=PRECISION)
+    hs = tl.where((slots == slot)[:, None] & (slot >= 0), h * scale, 0.0)
+    if UPCAST:
+        acc = tl.dot(hs, bt.to(tl.float32), acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(hs.to(bt.dtype), bt, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += bias[None, :]
+    tl.store(
+        y_ptr + rows[:, None] * stride_ym + cols[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=in_rows[:, None] & in_cols[None, :],
+    )
+
+
+def block_n_for(slice_sizes: Sequence[int], total: int) -> int | None:
+    """The column tile for these slices: the widest of 128 / 64 / 32 / 16 that divides every slice (a tile never
+    straddles two) and still gives 96 or more tiles, so a decode GEMM's programs cover most of the GPU's SMs
+    (fewer stream too little of the weight at once); None if none divides. Measured at 64 rows on an H200
+    (bench/RESULTS-gpu.md): 128 columns for 12k-22k outputs, 32 for 4k."""
+    dividing = [block for block in (128, 64, 32, 16) if all(size % block == 0 for size in slice_sizes)]
+    if not dividing:
+        return None
+    return next((block for block in dividing if total // block >= _MIN_TILES), dividing[-1])
+
+
+def gemm_lora(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    a_stack: torch.Tensor,
+    b_stack: torch.Tensor,
+    ranks: torch.Tensor,
+    scalings: torch.Tensor,
+    token_slots: torch.Tensor,
+    *,
+    slice_sizes: Sequence[int],
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`x @ w.T + bias` plus every row's LoRA delta (module docstring), into `out` (allocated if None).
+
+    At most one slot may appear among `token_slots` (besides -1): the caller guarantees it (a tile's rows would
+    otherwise all take its largest slot's adapter). `b_stack` is the `[S, N, R]` view of rank-major storage, as
+    `kernels_triton.expand` takes it. Raises ValueError where the shapes do not fit (`block_n_for` None: use the
+    separate kernels).
+    """
+    num_tokens, k_dim = x.shape
+    n_dim = w.shape[0]
+    sizes = list(slice_sizes)
+    lr = a_stack.shape[1]
+    if w.shape[1] != k_dim or sum(sizes) != n_dim or b_stack.shape[1] != n_dim or not 1 <= len(sizes) <= MAX_SLICES:
+        raise ValueError("w, slice_sizes and b_stack must agree on the output width, w and x on the input width")
+    if lr % len(sizes) or b_stack.shape[2] != lr // len(sizes):
+        raise ValueError("a_stack holds L*R rows and b_stack R columns for L slices of rank R")
+    if x.stride(-1) != 1 or w.stride(-1) != 1 or a_stack.stride(-1) != 1:
+        raise ValueError("x, w and a_stack need a contiguous last dimension")
+    block_n = block_n_for(sizes, n_dim)
+    if block_n is None:
+        raise ValueError(f"slices {sizes} have no common column tile of 16 or more")
+    if out is None:
+        out = torch.empty(num_tokens, n_dim, dtype=x.dtype, device=x.device)
+    r_slice = lr // len(sizes)
+    starts = [sum(sizes[:i]) for i in range(1, len(sizes))] + [n_dim] * (MAX_SLICES - len(sizes))
+    block_m = max(16, min(64, triton.next_power_of_2(num_tokens)))
+    interpret = bool(triton.knobs.runtime.interpret)
+    block_r = max(RANK_BLOCK.value, triton.next_power_of_2(r_slice))
+    # Pipeline stages of x, weight and A tiles within shared memory (H200: 227 KiB a block; 4 stages of
+    # 64 x 128 and 128 x 128 bf16 tiles with a rank-64 A tile took 256 KiB).
+    per_stage = (block_m + block_n + block_r) * _BLOCK_K * x.element_size()
+    stages = 1 if interpret else max(2, min(4, _SHARED_MEMORY_BUDGET // per_stage))
+    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(n_dim, block_n))
+    pdl = kernels_triton.pdl_default(x.device)
+    _gemm_lora_kernel[grid](
+        x,
+        w,
+        bias if bias is not None else w,
+        out,
+        token_slots,
+        a_stack,
+        b_stack,
+        ranks,
+        scalings,
+        num_tokens,
+        *starts[:3],
+        x.stride(0),
+        w.stride(0),
+        out.stride(0),
+        a_stack.stride(0),
+        a_stack.stride(1),
+        b_stack.stride(0),
+        b_stack.stride(1),
+        b_stack.stride(2),
+        N=n_dim,
+        K=k_dim,
+        R=r_slice,
+        BLOCK_R=block_r,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=_BLOCK_K,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        UPCAST=interpret,
+        GDC=pdl,
+        num_warps=4,
+        num_stages=stages,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+    return out

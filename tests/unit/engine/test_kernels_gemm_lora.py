@@ -1,0 +1,88 @@
+"""Decode projections with their LoRA inside the GEMM (`engine.kernels_gemm_lora`) against the torch reference,
+interpreted on the CPU (a child pytest with TRITON_INTERPRET=1, `test_triton_interpreted`)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.unit.engine.interpreted import INTERPRETED, run_interpreted
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+def operands(
+    rows: int, k: int, sizes: list[int], r_stack: int, dtype: torch.dtype, bias: bool, seed: int = 0
+) -> dict[str, torch.Tensor | None]:
+    """Weights and 3 slots (ranks: full, 8, 0) whose A rows and B columns past each slot's rank are garbage (slot
+    2 is all garbage): the kernel must not read them (the engine's stacks hold zeros or stale weights there)."""
+    gen = torch.Generator().manual_seed(seed)
+    n, slices = sum(sizes), len(sizes)
+    b_store = torch.randn(3, r_stack, n, generator=gen) / r_stack**0.5  # rank-major, as the engine stores B
+    return {
+        "x": torch.randn(rows, k, generator=gen).to(dtype),
+        "w": (torch.randn(n, k, generator=gen) / k**0.5).to(dtype),
+        "bias": torch.randn(n, generator=gen).to(dtype) if bias else None,
+        "a_stack": (torch.randn(3, slices * r_stack, k, generator=gen) / k**0.5).to(dtype),
+        "b_stack": b_store.to(dtype).transpose(1, 2),
+        "ranks": torch.tensor([r_stack, 8, 0], dtype=torch.int32),
+        "scalings": torch.tensor([0.5, 2.0, 1.0]),
+    }
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_shapes_are_checked_before_launch() -> None:
+    from engine.kernels_gemm_lora import block_n_for, gemm_lora
+
+    ops = operands(4, 64, [32, 16], 16, torch.float32, bias=False)
+    slots = torch.tensor([0, -1, 0, 0], dtype=torch.int32)
+    args = (ops["x"], ops["w"], None, ops["a_stack"], ops["b_stack"], ops["ranks"], ops["scalings"], slots)
+    with pytest.raises(ValueError, match="output width"):
+        gemm_lora(*args, slice_sizes=[16, 16])
+    with pytest.raises(ValueError, match="L\\*R rows"):
+        gemm_lora(*args[:3], ops["a_stack"][:, :24], *args[4:], slice_sizes=[32, 16])  # type: ignore[arg-type]
+    assert block_n_for([4096] * 3, 12288) == 128 and block_n_for([11008, 11008], 22016) == 128
+    assert block_n_for([4096], 4096) == 32 and block_n_for([4096, 1024, 1024], 6144) == 64
+    assert block_n_for([576, 192, 192], 960) == 16 and block_n_for([40, 8], 48) is None
+
+
+@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="parent process only; needs triton")
+def test_triton_interpreted() -> None:
+    run_interpreted(f"{__file__}::TestInterpreted")
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs inside test_triton_interpreted's child process")
+class TestInterpreted:
+    """One slice and three (q/k/v, a tile never straddles two), an input width with a masked tail, more rows
+    than one row tile, base rows (-1) beside adapter rows, stacks of rank 16 and 32, slots of full rank, rank 8
+    and rank 0, the last two with garbage past their rank."""
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+    @pytest.mark.parametrize(
+        ("rows", "k", "sizes", "r_stack", "bias"),
+        [(5, 96, [64], 16, False), (3, 200, [64, 32, 32], 32, True), (70, 64, [32, 32], 16, False)],
+    )
+    @pytest.mark.parametrize("slot", [0, 1, 2], ids=["full-rank", "rank-8", "rank-0"])
+    def test_matches_torch(
+        self, dtype: torch.dtype, rows: int, k: int, sizes: list[int], r_stack: int, bias: bool, slot: int
+    ) -> None:
+        from engine.kernels_gemm_lora import gemm_lora, reference_gemm_lora
+
+        ops = operands(rows, k, sizes, r_stack, dtype, bias)
+        # One adapter, with base rows among its rows (and, past `rows`, padding in the last row tile).
+        slots = torch.tensor([-1 if t % 3 == 1 else slot for t in range(rows)], dtype=torch.int32)
+        args = (ops["x"], ops["w"], ops["bias"], ops["a_stack"], ops["b_stack"], ops["ranks"], ops["scalings"], slots)
+        got = gemm_lora(*args, slice_sizes=sizes)  # type: ignore[arg-type]
+        want = reference_gemm_lora(*args, slice_sizes=sizes)  # type: ignore[arg-type]
+        assert rel_err(got, want) < TOLERANCE[dtype]
+        plain = reference_gemm_lora(*args[:7], torch.full_like(slots, -1), slice_sizes=sizes)  # type: ignore[arg-type]
+        if slot != 2:  # the LoRA delta is there to be checked (a rank-0 slot adds none)
+            assert rel_err(want, plain) > 10 * TOLERANCE[dtype]
+        torch.testing.assert_close(got[slots < 0].float(), plain[slots < 0].float(), rtol=0, atol=TOLERANCE[dtype] * 10)
