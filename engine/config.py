@@ -50,10 +50,11 @@ class EngineConfig:
     # write their inputs (engine/kernels_shrink_fused.py): three launches a layer fewer. Measured on an H200
     # (bench/RESULTS-gpu.md): graphed steps 0.99-1.00x, eager ones 1.02-1.12x, hence off by default.
     fold_lora_shrinks: str = "off"
-    # on: CUDA decode steps run each projection as one triton GEMM with its LoRA inside
-    # (engine/kernels_gemm_lora.py): one adapter for the batch costs no launch of its own, several cost the
-    # shrinks alone (or nothing more with fold_lora_shrinks). Off until measured in the engine.
-    lora_gemm: str = "off"
+    # on: CUDA decode steps whose rows use one adapter (base rows beside it allowed) run each projection as
+    # one triton GEMM with the LoRA inside (engine/kernels_gemm_lora.py): no LoRA launch of its own. Measured on
+    # an H200 (bench/RESULTS-gpu.md): Llama-7B layers x1.04 the separate kernels' throughput, SmolLM2 decode
+    # tokens/s 1.08-1.09x in graphs and 1.8x eager; batches of several adapters keep the separate kernels.
+    lora_gemm: str = "on"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
     # CUDA: the process's GIL switch interval while the engine serves (engine/interpreter.py); 0 keeps Python's
     # (5 ms). Shorter intervals were measured in bench/RESULTS-gpu.md and did not help reliably.

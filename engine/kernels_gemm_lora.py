@@ -172,6 +172,18 @@ def block_n_for(slice_sizes: Sequence[int], total: int) -> int | None:
     return next((block for block in dividing if total // block >= _MIN_TILES), dividing[-1])
 
 
+def _pipeline(x: torch.Tensor, tiles: int, tile_rows: int) -> tuple[int, int]:
+    """BLOCK_K and pipeline stages: as deep a pipeline of x, weight and A tiles (`tile_rows` rows in all) as
+    shared memory holds for every program resident at once (H200: 227 KiB a block). Where the tiles outnumber
+    the SMs, two share an SM: BLOCK_K 64 then keeps 4 stages (Llama-7B gate/up, 172 tiles: 54.9 against 60.6 us
+    with BLOCK_K 128 and one program an SM at a time; bench/RESULTS-gpu.md)."""
+    if triton.knobs.runtime.interpret:
+        return _BLOCK_K, 1
+    budget = _SHARED_MEMORY_BUDGET // triton.cdiv(tiles, kernels_triton._sm_count(x.device))
+    block_k = _BLOCK_K if 3 * tile_rows * _BLOCK_K * x.element_size() <= budget else _BLOCK_K // 2
+    return block_k, max(2, min(4, budget // (tile_rows * block_k * x.element_size())))
+
+
 def gemm_lora(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -212,11 +224,8 @@ def gemm_lora(
     block_m = max(16, min(64, triton.next_power_of_2(num_tokens)))
     interpret = bool(triton.knobs.runtime.interpret)
     block_r = max(RANK_BLOCK.value, triton.next_power_of_2(r_slice))
-    # Pipeline stages of x, weight and A tiles within shared memory (H200: 227 KiB a block; 4 stages of
-    # 64 x 128 and 128 x 128 bf16 tiles with a rank-64 A tile took 256 KiB).
-    per_stage = (block_m + block_n + block_r) * _BLOCK_K * x.element_size()
-    stages = 1 if interpret else max(2, min(4, _SHARED_MEMORY_BUDGET // per_stage))
     grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(n_dim, block_n))
+    block_k, stages = _pipeline(x, grid[0] * grid[1], block_m + block_n + block_r)
     pdl = kernels_triton.pdl_default(x.device)
     _gemm_lora_kernel[grid](
         x,
@@ -245,7 +254,7 @@ def gemm_lora(
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_K=_BLOCK_K,
+        BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         UPCAST=interpret,
         GDC=pdl,

@@ -75,3 +75,21 @@ def test_fold_lora_shrinks_flag() -> None:
     assert config_from(parser.parse_args(["--fold-lora-shrinks", "on"])).fold_lora_shrinks == "on"
     with pytest.raises(ValueError, match="fold_lora_shrinks must be on or off"):
         config_from(parser.parse_args(["--fold-lora-shrinks", "auto"])).validate()
+
+
+def test_lora_gemm_and_fills_ahead_flags() -> None:
+    parser = build_parser()
+    defaults = config_from(parser.parse_args([]))
+    assert (defaults.lora_gemm, defaults.adapter_fills_ahead) == ("on", 2)
+    flags = ["--lora-gemm", "off", "--adapter-fills-ahead", "0"]
+    assert (
+        config_from(parser.parse_args(flags)).lora_gemm,
+        config_from(parser.parse_args(flags)).adapter_fills_ahead,
+    ) == (
+        "off",
+        0,
+    )
+    with pytest.raises(ValueError, match="lora_gemm must be on or off"):
+        config_from(parser.parse_args(["--lora-gemm", "auto"])).validate()
+    with pytest.raises(ValueError, match=r"adapter_fills_ahead must be within 0\.\.64"):
+        config_from(parser.parse_args(["--adapter-fills-ahead", "-1"])).validate()
