@@ -28,6 +28,7 @@ after another, x0.50-0.73 of the separate kernels; one tensor-core tile per adap
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -41,7 +42,7 @@ from engine.kernels_triton import MAX_SLICES, RANK_BLOCK
 
 _BLOCK_K = 128
 _MIN_TILES = 96
-_SHARED_MEMORY_BUDGET = 220 * 1024
+_SHARED_MEMORY_RESERVED = 7 * 1024
 
 
 def reference_gemm_lora(
@@ -174,16 +175,26 @@ def block_n_for(slice_sizes: Sequence[int], total: int) -> int | None:
     return next((block for block in dividing if total // block >= _MIN_TILES), dividing[-1])
 
 
+@functools.cache
+def _shared_memory(device: torch.device) -> int:
+    """Shared memory a program may take on `device`, less what triton keeps for itself (H200: 227 KiB a block,
+    of which 220 fill the pipeline: 4 stages of 64 x 128 and 128 x 128 bf16 tiles with a rank-64 A tile, 256
+    KiB, did not compile). Pre-Hopper GPUs have less (A10: 99 KiB), hence read, not assumed."""
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)) - _SHARED_MEMORY_RESERVED
+
+
 def _pipeline(x: torch.Tensor, tiles: int, tile_rows: int) -> tuple[int, int]:
     """BLOCK_K and pipeline stages: as deep a pipeline of x, weight and A tiles (`tile_rows` rows in all) as
-    shared memory holds for every program resident at once (H200: 227 KiB a block). Where the tiles outnumber
+    shared memory holds for every program resident at once (`_shared_memory`). Where the tiles outnumber
     the SMs, two share an SM: BLOCK_K 64 then keeps 4 stages (Llama-7B gate/up, 172 tiles: 54.9 against 60.6 us
     with BLOCK_K 128 and one program an SM at a time; bench/RESULTS-gpu.md)."""
     if triton.knobs.runtime.interpret:
         return _BLOCK_K, 1
-    budget = _SHARED_MEMORY_BUDGET // triton.cdiv(tiles, kernels_triton._sm_count(x.device))
-    block_k = _BLOCK_K if 3 * tile_rows * _BLOCK_K * x.element_size() <= budget else _BLOCK_K // 2
-    return block_k, max(2, min(4, budget // (tile_rows * block_k * x.element_size())))
+    budget = _shared_memory(x.device) // triton.cdiv(tiles, kernels_triton._sm_count(x.device))
+    row_bytes = tile_rows * x.element_size()
+    block_k = next((k for k in (_BLOCK_K, _BLOCK_K // 2) if 3 * row_bytes * k <= budget), _BLOCK_K // 4)
+    return block_k, max(2, min(4, budget // (row_bytes * block_k)))
 
 
 def gemm_lora(

@@ -53,6 +53,25 @@ def test_shapes_are_checked_before_launch() -> None:
     assert block_n_for([576, 192, 192], 960) == 16 and block_n_for([40, 8], 48) is None
 
 
+@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="compiled launch shapes (parent process); needs triton")
+def test_pipeline_fits_the_gpus_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """K tile and stages from the shared memory each resident program gets: a pipeline sized for an H200 does not
+    compile where a block has 99 KiB (A10 and other pre-Hopper GPUs)."""
+    from engine import kernels_gemm_lora as kg
+    from engine import kernels_triton
+
+    x = torch.zeros(64, 8, dtype=torch.bfloat16)
+    rows = 64 + 128 + 16  # x, weight and A tiles of a 128-column program
+    monkeypatch.setattr(kernels_triton, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(kg, "_shared_memory", lambda device: 220 * 1024)  # an H200's
+    assert kg._pipeline(x, 96, rows) == (128, 4)  # q/k/v: a program an SM
+    assert kg._pipeline(x, 172, rows) == (64, 4)  # gate/up: two share an SM
+    monkeypatch.setattr(kg, "_shared_memory", lambda device: 92 * 1024)
+    for tiles in (96, 172):
+        block_k, stages = kg._pipeline(x, tiles, rows)
+        assert stages >= 2 and stages * rows * block_k * 2 <= 92 * 1024
+
+
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="parent process only; needs triton")
 def test_triton_interpreted() -> None:
     run_interpreted(f"{__file__}::TestInterpreted")
