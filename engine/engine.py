@@ -29,7 +29,7 @@ from engine.loader import load_weights, resolve_model
 from engine.lora import LoRABatch, LoRAStacks
 from engine.model import DecoderModel, SeqSlice
 from engine.pinned_arena import PinnedArena, shared_arena_fits
-from engine.pool import AdapterPool, AdapterVersion
+from engine.pool import AdapterCacheStats, AdapterPool, AdapterVersion
 from engine.sampling import SamplingParams, make_generator, sample_tokens
 from engine.scheduler import Scheduler
 from engine.sequence import OutputSink, RequestOutput, SeqStatus, Sequence
@@ -85,6 +85,7 @@ class EngineStats:
     kv_slots_used: int
     steps: int
     tokens_generated: int
+    adapter_cache: AdapterCacheStats
 
 
 class _StepTrace:
@@ -347,6 +348,7 @@ class LLMEngine:
             kv_slots_used=self.kv.used_slots,
             steps=self.steps,
             tokens_generated=self.tokens_generated,
+            adapter_cache=self.pool.cache_stats(),
         )
 
     # -- engine thread -----------------------------------------------------------------------------

@@ -80,6 +80,17 @@ class AdapterVersion:
         return AdapterState.FAILED if self.error else AdapterState.REGISTERED
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterCacheStats:
+    """The pool's counters since it started (`AdapterPool.cache_stats`)."""
+
+    slot_hits: int
+    slot_misses: int
+    evictions: int
+    loads: int
+    fills_ahead: int
+
+
 class AdapterPool:
     """Adapters by name, their host copies and their slots in `stacks`."""
 
@@ -163,6 +174,12 @@ class AdapterPool:
     def versions(self) -> list[AdapterVersion]:
         with self._lock:
             return list(self._by_name.values())
+
+    def cache_stats(self) -> AdapterCacheStats:
+        with self._lock:
+            return AdapterCacheStats(
+                self.slot_hits, self.slot_misses, self.evictions, self.loads_started, self.fills_ahead
+            )
 
     def wait_loaded(self, version: AdapterVersion, timeout: float | None = None) -> None:
         """Block until `version`'s load has ended and taken effect (a staged version is then current);

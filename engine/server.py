@@ -171,6 +171,13 @@ class EngineService(pb_grpc.EngineServicer):
             lora_slots=e.config.lora_slots,
             steps=s.steps,
             tokens_generated=s.tokens_generated,
+            adapter_cache=pb.AdapterCacheStats(
+                slot_hits=s.adapter_cache.slot_hits,
+                slot_misses=s.adapter_cache.slot_misses,
+                evictions=s.adapter_cache.evictions,
+                loads=s.adapter_cache.loads,
+                fills_ahead=s.adapter_cache.fills_ahead,
+            ),
         )
 
 

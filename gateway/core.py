@@ -78,6 +78,7 @@ class Gateway:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.metrics.observe_queue(self.fair_queue.stats)
         self.metrics.observe_engines(lambda: {r.name: r.healthy for r in pool.replicas})
+        self.metrics.observe_engine_stats(pool.polled_figures)
 
     async def __aenter__(self) -> Gateway:
         self._loop = asyncio.get_running_loop()

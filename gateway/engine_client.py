@@ -361,6 +361,25 @@ class EnginePool:
             for r in self.replicas
         }
 
+    def polled_figures(self) -> dict[str, dict[str, int]]:
+        """Per replica that has answered a Stats poll: its load and adapter-cache counters, as of that poll."""
+        figures = {}
+        for r in self.replicas:
+            if r.stats is None:
+                continue
+            cache = r.stats.adapter_cache
+            figures[r.name] = {
+                "running_requests": r.stats.running_requests,
+                "waiting_requests": r.stats.waiting_requests,
+                "kv_slots_used": r.stats.kv_blocks_used,
+                "slot_hits": cache.slot_hits,
+                "slot_misses": cache.slot_misses,
+                "evictions": cache.evictions,
+                "loads": cache.loads,
+                "fills_ahead": cache.fills_ahead,
+            }
+        return figures
+
     # -- health --------------------------------------------------------------------------------
 
     async def poll_once(self) -> None:

@@ -49,6 +49,32 @@ _QUEUE_INSTRUMENTS: tuple[tuple[str, str, str, str, str], ...] = (
 )
 
 
+# Per-replica engine figures, read from each replica's last Stats poll at each scrape: (name, key, kind, unit, what).
+_ENGINE_INSTRUMENTS: tuple[tuple[str, str, str, str, str], ...] = (
+    ("adaptergate.engine.running_requests", "running_requests", "gauge", "1", "Requests decoding on the replica"),
+    ("adaptergate.engine.waiting_requests", "waiting_requests", "gauge", "1", "Requests waiting on the replica"),
+    ("adaptergate.engine.kv_slots_used", "kv_slots_used", "gauge", "1", "KV-cache slots in use"),
+    ("adaptergate.engine.adapter_slot_hits", "slot_hits", "counter", "1", "Requests whose adapter was in a slot"),
+    (
+        "adaptergate.engine.adapter_slot_misses",
+        "slot_misses",
+        "counter",
+        "1",
+        "Requests whose adapter was copied into a slot",
+    ),
+    ("adaptergate.engine.adapter_evictions", "evictions", "counter", "1", "Idle adapters moved out of a slot"),
+    ("adaptergate.engine.adapter_loads", "loads", "counter", "1", "Adapter reads from disk into host memory"),
+    (
+        "adaptergate.engine.adapter_fills_ahead",
+        "fills_ahead",
+        "counter",
+        "1",
+        "Slot fills done while the step before the request ran",
+    ),
+)
+EngineStatsFn = Callable[[], Mapping[str, Mapping[str, int]]]
+
+
 class QueueSnapshot(Protocol):
     """Per-tenant queue numbers (gateway.queue.TenantStats has these)."""
 
@@ -107,6 +133,10 @@ class GatewayMetrics:
         for name, stat, kind, unit, description in _QUEUE_INSTRUMENTS:
             create = meter.create_observable_counter if kind == "counter" else meter.create_observable_gauge
             create(name, [self._observe(stat)], unit=unit, description=description)
+        self._engine_stats: EngineStatsFn | None = None
+        for name, key, kind, unit, description in _ENGINE_INSTRUMENTS:
+            create = meter.create_observable_counter if kind == "counter" else meter.create_observable_gauge
+            create(name, [self._observe_engine(key)], unit=unit, description=description)
         meter.create_observable_gauge(
             "adaptergate.engine.healthy",
             [self._observe_engines],
@@ -123,6 +153,10 @@ class GatewayMetrics:
     def observe_engines(self, health: Callable[[], Mapping[str, bool]]) -> None:
         """Read replica name -> healthy from `health` at every scrape."""
         self._engine_health = health
+
+    def observe_engine_stats(self, stats: EngineStatsFn) -> None:
+        """Read replica name -> its last polled figures (the keys of `_ENGINE_INSTRUMENTS`) at every scrape."""
+        self._engine_stats = stats
 
     def request_done(self, tenant: str, status: str, protocol: str, seconds: float) -> None:
         key = (tenant, status, protocol)
@@ -158,6 +192,14 @@ class GatewayMetrics:
             return [
                 Observation(getattr(stats, name), self._tenant(tenant)) for tenant, stats in self._queue_stats().items()
             ]
+
+        return callback
+
+    def _observe_engine(self, key: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def callback(options: CallbackOptions) -> Iterable[Observation]:
+            if self._engine_stats is None:
+                return []
+            return [Observation(stats[key], {"replica": name}) for name, stats in self._engine_stats().items()]
 
         return callback
 

@@ -115,6 +115,9 @@ def test_serves_adapters_applied_through_the_admin_api(tmp_path: Path, process_c
     assert 'adaptergate_requests_total{protocol="rest",status="ok",tenant="default"} 3.0' in metrics
     assert 'adaptergate_queue_depth{tenant="default"} 0' in metrics
     assert 'adaptergate_engine_healthy{replica="engine-0"} 1' in metrics
+    # The replica's polled figures (the fast fixture keeps no adapter cache: its counters stay 0).
+    assert 'adaptergate_engine_adapter_slot_misses_total{replica="engine-0"}' in metrics
+    assert 'adaptergate_engine_running_requests{replica="engine-0"}' in metrics
 
     log_lines = [json.loads(line) for line in gateway.log().splitlines() if line.startswith("{")]
     access = [line for line in log_lines if line["logger"] == "adaptergate.access"]

@@ -133,6 +133,7 @@ def test_adapter_lifecycle(engine_process: tuple[pb_grpc.EngineStub, Path]) -> N
 
     arch, _ = load_weights(resolve_model("smollm2"))
     good = write_adapter(tmp / "good", arch=arch, rank=8, modules=("q_proj", "v_proj"), seed=3)
+    before = stub.Stats(pb.StatsRequest()).adapter_cache
     info = stub.LoadAdapter(pb.LoadAdapterRequest(name="good", path=str(good), wait=True)).adapter
     assert (info.name, info.rank, info.state) == ("good", 8, "host")
     assert sorted(info.target_modules) == ["q_proj", "v_proj"]
@@ -141,6 +142,9 @@ def test_adapter_lifecycle(engine_process: tuple[pb_grpc.EngineStub, Path]) -> N
     assert tuned != base  # random LoRA weights of this size change greedy output
     listed = {a.name: a for a in stub.ListAdapters(pb.ListAdaptersRequest()).adapters}
     assert listed["good"].state == "resident" and listed["good"].requests_served == 1
+    after = stub.Stats(pb.StatsRequest()).adapter_cache  # one read from disk, one copy into a slot
+    assert (after.loads - before.loads, after.slot_misses - before.slot_misses) == (1, 1)
+    assert after.slot_hits == before.slot_hits
     assert stub.UnloadAdapter(pb.UnloadAdapterRequest(name="good")).found
     with pytest.raises(grpc.RpcError) as gone:
         list(stub.Generate(chat_request("g", "hi", adapter="good")))

@@ -10,7 +10,7 @@ import torch
 
 from engine.adapters import AdapterError
 from engine.lora import LoRABatch, LoRAStacks
-from engine.pool import AdapterPool, AdapterState
+from engine.pool import AdapterCacheStats, AdapterPool, AdapterState
 from tests.unit.engine.tiny import TINY, write_adapter
 
 
@@ -257,6 +257,7 @@ def test_fill_ahead_fills_the_next_requests_adapters_and_their_acquire_counts_th
     slot = b.slot
     assert pool.acquire(b) == slot and b.active == 1
     assert (pool.slot_misses, pool.slot_hits, pool.fills_ahead) == (1, 0, 2)  # b's fill was ahead, still a miss
+    assert pool.cache_stats() == AdapterCacheStats(slot_hits=0, slot_misses=1, evictions=0, loads=2, fills_ahead=2)
     pool.release(b, tokens=1)
     assert pool.acquire(b) == slot and pool.slot_hits == 1  # from then on its slot is a hit
 

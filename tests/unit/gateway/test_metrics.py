@@ -46,6 +46,34 @@ def test_queue_state_is_read_at_scrape_time() -> None:
     assert _samples(metrics)[("adaptergate_queue_depth", alice)] == 0
 
 
+def test_engine_figures_are_read_at_scrape_time() -> None:
+    metrics = GatewayMetrics()
+    figures = {
+        "engine-0": {
+            "running_requests": 3,
+            "waiting_requests": 1,
+            "kv_slots_used": 3,
+            "slot_hits": 40,
+            "slot_misses": 5,
+            "evictions": 2,
+            "loads": 6,
+            "fills_ahead": 4,
+        }
+    }
+    metrics.observe_engine_stats(lambda: figures)
+    samples = _samples(metrics)
+    replica = (("replica", "engine-0"),)
+    assert samples[("adaptergate_engine_running_requests", replica)] == 3
+    assert samples[("adaptergate_engine_kv_slots_used", replica)] == 3
+    assert samples[("adaptergate_engine_adapter_slot_hits_total", replica)] == 40
+    assert samples[("adaptergate_engine_adapter_slot_misses_total", replica)] == 5
+    assert samples[("adaptergate_engine_adapter_evictions_total", replica)] == 2
+    assert samples[("adaptergate_engine_adapter_loads_total", replica)] == 6
+    assert samples[("adaptergate_engine_adapter_fills_ahead_total", replica)] == 4
+    figures["engine-0"] = {**figures["engine-0"], "slot_hits": 41}
+    assert _samples(metrics)[("adaptergate_engine_adapter_slot_hits_total", replica)] == 41
+
+
 def test_two_instances_do_not_share_registries() -> None:
     first, second = GatewayMetrics(), GatewayMetrics()
     first.request_done("a", "ok", "rest", 0.1)
