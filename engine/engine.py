@@ -390,6 +390,15 @@ class LLMEngine:
                 self._finish(seq, "abort")
             elif seq.status is SeqStatus.WAITING and seq.adapter is not None and self.pool.failure(seq.adapter):
                 self._finish(seq, "error", error=f"adapter {seq.adapter.name!r} failed to load: {seq.adapter.error}")
+            elif (
+                seq.status is SeqStatus.WAITING
+                and seq.adapter is not None
+                and seq.adapter.retired
+                and self.pool.lookup(seq.adapter.name) is None
+            ):
+                self._finish(
+                    seq, "error", error=f"adapter {seq.adapter.name!r} was unloaded before the request started"
+                )
 
     def step(self) -> None:
         """One step: prefill newly admitted requests, decode one token for all running ones.

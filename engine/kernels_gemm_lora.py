@@ -42,6 +42,7 @@ from engine.kernels_triton import MAX_SLICES, RANK_BLOCK
 
 _BLOCK_K = 128
 _MIN_TILES = 96
+_MAX_RANK = 64
 _SHARED_MEMORY_RESERVED = 7 * 1024
 
 
@@ -164,6 +165,13 @@ def _gemm_lora_kernel(
     )
 
 
+def fits(slice_sizes: Sequence[int], rank: int) -> bool:
+    """Whether `gemm_lora` takes a group of these slices from a stack of this rank per slice: a common column
+    tile (`block_n_for`), and rank 64 or less (the B tile and h stay in registers beside the accumulator;
+    larger ranks were never compiled here and keep the separate kernels)."""
+    return rank <= _MAX_RANK and block_n_for(slice_sizes, sum(slice_sizes)) is not None
+
+
 def block_n_for(slice_sizes: Sequence[int], total: int) -> int | None:
     """The column tile for these slices: the widest of 128 / 64 / 32 / 16 that divides every slice (a tile never
     straddles two) and still gives 96 or more tiles, so a decode GEMM's programs cover most of the GPU's SMs
@@ -228,8 +236,10 @@ def gemm_lora(
     if x.stride(-1) != 1 or w.stride(-1) != 1 or a_stack.stride(-1) != 1:
         raise ValueError("x, w and a_stack need a contiguous last dimension")
     block_n = block_n_for(sizes, n_dim)
-    if block_n is None:
-        raise ValueError(f"slices {sizes} have no common column tile of 16 or more")
+    if block_n is None or not fits(sizes, lr // len(sizes)):
+        raise ValueError(
+            f"slices {sizes} at rank {lr // len(sizes)}: no common column tile of 16 or more, or rank > 64"
+        )
     if out is None:
         out = torch.empty(num_tokens, n_dim, dtype=x.dtype, device=x.device)
     r_slice = lr // len(sizes)

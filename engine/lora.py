@@ -511,7 +511,7 @@ class LoRABatch:
         from engine import kernels_gemm_lora
 
         sizes = stacks.group_slices[group]
-        if kernels_gemm_lora.block_n_for(sizes, sum(sizes)) is None:
+        if not kernels_gemm_lora.fits(sizes, stacks.max_rank):
             return None
         a, b, ranks = stacks.group_a[(layer, group)], stacks.group_b[(layer, group)], stacks.group_ranks[group]
         return kernels_gemm_lora.gemm_lora(

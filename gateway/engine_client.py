@@ -362,10 +362,11 @@ class EnginePool:
         }
 
     def polled_figures(self) -> dict[str, dict[str, int]]:
-        """Per replica that has answered a Stats poll: its load and adapter-cache counters, as of that poll."""
+        """Per healthy replica: its load and adapter-cache counters, as of its last Stats poll (a replica that
+        stopped answering reports nothing rather than the load it had)."""
         figures = {}
         for r in self.replicas:
-            if r.stats is None:
+            if r.stats is None or not r.healthy:
                 continue
             cache = r.stats.adapter_cache
             figures[r.name] = {

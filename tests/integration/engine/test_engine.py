@@ -223,3 +223,35 @@ def test_an_adapter_is_filled_ahead_while_the_step_before_its_request_runs(tmp_p
         eng.stop()
     assert fills == [(True, 1), (False, 0)]
     assert outputs[0] == outputs[1]
+
+
+def test_a_request_waiting_through_a_hot_swap_starts_on_the_new_version(tmp_path: Path) -> None:
+    """The old version, idle, is dropped by the swap: the waiting request used to reload it at every step, each
+    load dropped again as it ended, and never started. It has not started, so it gets the new version; a request
+    whose adapter is unloaded while it waits ends with an error."""
+    from engine.config import EngineConfig
+
+    eng = LLMEngine(EngineConfig(max_num_seqs=1, max_model_len=128, lora_slots=2))
+    try:
+        v1 = write_adapter(tmp_path / "v1", arch=eng.arch, rank=8, seed=1)
+        v2 = write_adapter(tmp_path / "v2", arch=eng.arch, rank=8, seed=2)
+        eng.load_adapter("swap", str(v1), wait=True)
+        eng.load_adapter("gone", str(v1), wait=True)
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        base = run(eng, "base", chat(eng, "Count to ten."), params)
+        eng._drain_commands()
+        eng.step()  # the base request holds the only KV slot: the next ones wait
+        waiting = run(eng, "waits", chat(eng, "Name a colour."), params, adapter="swap")
+        doomed = run(eng, "doomed", chat(eng, "Name a colour."), params, adapter="gone")
+        eng.step()
+        eng.load_adapter("swap", str(v2), wait=True)  # v1 is retired and, idle, dropped
+        eng.unload_adapter("gone")
+        eng.run_until_idle()
+        assert base.done.is_set() and waiting.done.is_set() and doomed.done.is_set()
+        assert doomed.outputs[-1].finish_reason == "error" and "unloaded" in (doomed.outputs[-1].error or "")
+        alone = run(eng, "alone", chat(eng, "Name a colour."), params, adapter="swap")
+        eng.run_until_idle()
+        assert waiting.outputs[-1].finish_reason == "length" and waiting.token_ids == alone.token_ids
+        assert eng.pool.cache_stats().loads == 3  # v1 twice (two names) and v2: no reload loop
+    finally:
+        eng.stop()

@@ -39,7 +39,7 @@ def operands(
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_shapes_are_checked_before_launch() -> None:
-    from engine.kernels_gemm_lora import block_n_for, gemm_lora
+    from engine.kernels_gemm_lora import block_n_for, fits, gemm_lora
 
     ops = operands(4, 64, [32, 16], 16, torch.float32, bias=False)
     slots = torch.tensor([0, -1, 0, 0], dtype=torch.int32)
@@ -48,6 +48,12 @@ def test_shapes_are_checked_before_launch() -> None:
         gemm_lora(*args, slice_sizes=[16, 16])
     with pytest.raises(ValueError, match="L\\*R rows"):
         gemm_lora(*args[:3], ops["a_stack"][:, :24], *args[4:], slice_sizes=[32, 16])  # type: ignore[arg-type]
+    assert fits([4096] * 3, 64) and not fits([4096] * 3, 128)  # ranks past 64 keep the separate kernels
+    with pytest.raises(ValueError, match="rank > 64"):
+        big = torch.zeros(3, 2 * 128, 64)
+        gemm_lora(
+            ops["x"], ops["w"], None, big, torch.zeros(3, 128, 48).transpose(1, 2), *args[5:], slice_sizes=[32, 16]
+        )  # type: ignore[arg-type]
     assert block_n_for([4096] * 3, 12288) == 128 and block_n_for([11008, 11008], 22016) == 128
     assert block_n_for([4096], 4096) == 32 and block_n_for([4096, 1024, 1024], 6144) == 64
     assert block_n_for([576, 192, 192], 960) == 16 and block_n_for([40, 8], 48) is None

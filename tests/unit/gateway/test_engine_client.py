@@ -83,6 +83,18 @@ async def test_prefers_replica_holding_the_adapter_then_least_loaded(engines: li
         assert pool.has_capacity()
 
 
+async def test_polled_figures_come_from_healthy_replicas_only(engines: list[FastEngineFixture]) -> None:
+    """A replica that stopped answering must not keep reporting the load it had at its last poll."""
+    async with EnginePool([f"127.0.0.1:{e.port}" for e in engines]) as pool:
+        await pool.poll_once()
+        a, b = pool.replicas
+        figures = pool.polled_figures()
+        assert set(figures) == {a.name, b.name}
+        assert set(figures[a.name]) >= {"running_requests", "kv_slots_used", "slot_hits", "slot_misses", "fills_ahead"}
+        b.healthy = False
+        assert set(pool.polled_figures()) == {a.name}
+
+
 async def test_engine_errors_map_to_gateway_errors() -> None:
     async with FastEngineFixture(FastEngineOptions(max_model_len=2)) as engine:
         async with EnginePool([f"127.0.0.1:{engine.port}"]) as pool:
