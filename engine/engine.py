@@ -384,18 +384,13 @@ class LLMEngine:
                 return
 
     def _reap(self) -> None:
-        """Finish aborted requests and those whose adapter failed to load."""
+        """Finish aborted requests and waiting ones whose adapter failed to load or was unloaded."""
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             if seq.aborted:
                 self._finish(seq, "abort")
             elif seq.status is SeqStatus.WAITING and seq.adapter is not None and self.pool.failure(seq.adapter):
                 self._finish(seq, "error", error=f"adapter {seq.adapter.name!r} failed to load: {seq.adapter.error}")
-            elif (
-                seq.status is SeqStatus.WAITING
-                and seq.adapter is not None
-                and seq.adapter.retired
-                and self.pool.lookup(seq.adapter.name) is None
-            ):
+            elif seq.status is SeqStatus.WAITING and seq.adapter is not None and self.pool.current(seq.adapter) is None:
                 self._finish(
                     seq, "error", error=f"adapter {seq.adapter.name!r} was unloaded before the request started"
                 )

@@ -216,33 +216,29 @@ def gemm_lora(
     token_slots: torch.Tensor,
     *,
     slice_sizes: Sequence[int],
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`x @ w.T + bias` plus every row's LoRA delta (module docstring), into `out` (allocated if None).
+    """`x @ w.T + bias` plus every row's LoRA delta (module docstring), as a new tensor.
 
     At most one slot may appear among `token_slots` (besides -1): the caller guarantees it (a tile's rows would
     otherwise all take its largest slot's adapter). `b_stack` is the `[S, N, R]` view of rank-major storage, as
-    `kernels_triton.expand` takes it. Raises ValueError where the shapes do not fit (`block_n_for` None: use the
+    `kernels_triton.expand` takes it. Raises ValueError where the shapes do not fit (`fits` False: use the
     separate kernels).
     """
     num_tokens, k_dim = x.shape
     n_dim = w.shape[0]
     sizes = list(slice_sizes)
     lr = a_stack.shape[1]
+    r_slice = lr // len(sizes)
     if w.shape[1] != k_dim or sum(sizes) != n_dim or b_stack.shape[1] != n_dim or not 1 <= len(sizes) <= MAX_SLICES:
         raise ValueError("w, slice_sizes and b_stack must agree on the output width, w and x on the input width")
-    if lr % len(sizes) or b_stack.shape[2] != lr // len(sizes):
+    if lr % len(sizes) or b_stack.shape[2] != r_slice:
         raise ValueError("a_stack holds L*R rows and b_stack R columns for L slices of rank R")
     if x.stride(-1) != 1 or w.stride(-1) != 1 or a_stack.stride(-1) != 1:
         raise ValueError("x, w and a_stack need a contiguous last dimension")
     block_n = block_n_for(sizes, n_dim)
-    if block_n is None or not fits(sizes, lr // len(sizes)):
-        raise ValueError(
-            f"slices {sizes} at rank {lr // len(sizes)}: no common column tile of 16 or more, or rank > 64"
-        )
-    if out is None:
-        out = torch.empty(num_tokens, n_dim, dtype=x.dtype, device=x.device)
-    r_slice = lr // len(sizes)
+    if block_n is None or r_slice > _MAX_RANK:
+        raise ValueError(f"slices {sizes} at rank {r_slice}: no common column tile of 16 or more, or rank > 64")
+    out = torch.empty(num_tokens, n_dim, dtype=x.dtype, device=x.device)
     starts = [sum(sizes[:i]) for i in range(1, len(sizes))] + [n_dim] * (MAX_SLICES - len(sizes))
     block_m = max(16, min(64, triton.next_power_of_2(num_tokens)))
     interpret = bool(triton.knobs.runtime.interpret)

@@ -171,6 +171,13 @@ class AdapterPool:
         with self._lock:
             return self._by_name.get(name)
 
+    def current(self, version: AdapterVersion) -> AdapterVersion | None:
+        """The version a request holding `version` should start on: `version` itself, or, once a hot swap
+        retired it, the name's current version (None if the name was unloaded). A retired version is dropped
+        once idle; a request that has not started must not load it again."""
+        with self._lock:
+            return self._by_name.get(version.name) if version.retired else version
+
     def versions(self) -> list[AdapterVersion]:
         with self._lock:
             return list(self._by_name.values())

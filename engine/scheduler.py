@@ -80,11 +80,8 @@ class Scheduler:
     def _startable(self, seq: Sequence) -> bool:
         if seq.adapter is None:
             return True
-        if seq.adapter.retired:
-            # Replaced (hot swap) while the request waited: it has not started, so it gets the new version.
-            # The old one is dropped once idle, and loading it again would only be dropped again.
-            current = self.pool.lookup(seq.adapter.name)
-            if current is None:
-                return False  # unloaded: the engine ends the request (`LLMEngine._reap`)
-            seq.adapter = current
-        return self.pool.ready(seq.adapter)
+        current = self.pool.current(seq.adapter)  # replaced while the request waited: the new version
+        if current is None:
+            return False  # unloaded: the engine ends the request (`LLMEngine._reap`)
+        seq.adapter = current
+        return self.pool.ready(current)
