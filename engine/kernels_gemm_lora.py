@@ -16,9 +16,12 @@ for batches whose rows with an adapter all have the same slot (one adapter for t
 it). Each program computes h for its rows itself, in the same pass over K that streams its weight tile (A is
 a few rows beside the tile), and adds h @ B for its columns before it stores: no other launch.
 
-Layout: one program per (tile of BLOCK_M rows, tile of BLOCK_N columns), BLOCK_N dividing every slice so a
-tile lies in one slice. With PDL (Hopper) the slots, ranks, scalings, B tile and bias are read before waiting
-for the kernel before this one. The torch definition: `reference_gemm_lora`.
+Layout: one program per (tile of BLOCK_M rows, tile of BLOCK_N columns, split of K), BLOCK_N dividing every
+slice so a tile lies in one slice (`tiling`). With PDL (Hopper) the slots, ranks, scalings, B tile and bias are
+read before waiting for the kernel before this one. Where K is split, each program adds its split's share of
+both `x @ W^T` and `h @ B` (h computed over that split's K only: the delta is linear in it), and the last of a
+tile's programs to arrive sums the fp32 partials in split order and stores (`_arrivals`). The torch
+definition: `reference_gemm_lora`.
 
 Batches of several adapters keep the separate kernels. Both versions that took h from the shrink kernel and
 added B in the GEMM's epilogue were slower (bench/RESULTS-gpu.md): each row's own B gathered in 16 loads one
@@ -44,6 +47,10 @@ _BLOCK_K = 128
 _MIN_TILES = 96
 _MAX_RANK = 64
 _SHARED_MEMORY_RESERVED = 7 * 1024
+_MIN_SPLIT_K = 512
+_MAX_STAGES = 5
+_NUM_WARPS = 4
+_MAX_SPLIT_TILES = 4096
 
 
 def reference_gemm_lora(
@@ -81,6 +88,8 @@ def _gemm_lora_kernel(
     b_ptr: tl.tensor,
     ranks_ptr: tl.tensor,
     scalings_ptr: tl.tensor,
+    partial_ptr: tl.tensor,
+    arrivals_ptr: tl.tensor,
     num_tokens: int,
     start1: int,
     start2: int,
@@ -101,12 +110,16 @@ def _gemm_lora_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    K_SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     GDC: tl.constexpr,
 ) -> None:
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     in_rows = rows < num_tokens
@@ -136,17 +149,24 @@ def _gemm_lora_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    kk = tl.arange(0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + kk
-        in_k = ks < K
-        xt = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=in_rows[:, None] & in_k[None, :], other=0.0)
-        wt = tl.load(w_ptr + cols[None, :] * stride_wn + ks[:, None], mask=in_cols[None, :] & in_k[:, None], other=0.0)
+    kk = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
+    x_tile = x_ptr + rows[:, None] * stride_xm + kk[None, :]
+    w_tile = w_ptr + cols[None, :] * stride_wn + kk[:, None]  # BLOCK_N divides N: no column mask
+    a_tile = a_base[None, :] + kk[:, None]
+    for k0 in range(0, K_SPLIT, BLOCK_K):
+        if EVEN_K:  # every K tile whole (the launch checks): no K mask on the loads of the main loop
+            xt = tl.load(x_tile + k0, mask=in_rows[:, None], other=0.0)
+            wt = tl.load(w_tile + k0)
+            at = tl.load(a_tile + k0, mask=a_rows[None, :], other=0.0)
+        else:
+            in_k = k0 + kk < K
+            xt = tl.load(x_tile + k0, mask=in_rows[:, None] & in_k[None, :], other=0.0)
+            wt = tl.load(w_tile + k0, mask=in_k[:, None], other=0.0)
+            at = tl.load(a_tile + k0, mask=a_rows[None, :] & in_k[:, None], other=0.0)
         if UPCAST:
             acc = tl.dot(xt.to(tl.float32), wt.to(tl.float32), acc, input_precision=PRECISION)
         else:
             acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
-        at = tl.load(a_base[None, :] + ks[:, None], mask=a_rows[None, :] & in_k[:, None], other=0.0)
         if UPCAST:
             h = tl.dot(xt.to(tl.float32), at.to(tl.float32), h, input_precision=PRECISION)
         else:
@@ -156,13 +176,31 @@ def _gemm_lora_kernel(
         acc = tl.dot(hs, bt.to(tl.float32), acc, input_precision=PRECISION)
     else:
         acc = tl.dot(hs.to(bt.dtype), bt, acc, input_precision=PRECISION)
-    if HAS_BIAS:
-        acc += bias[None, :]
-    tl.store(
-        y_ptr + rows[:, None] * stride_ym + cols[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=in_rows[:, None] & in_cols[None, :],
-    )
+    out_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+    out_mask = in_rows[:, None] & in_cols[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += bias[None, :]
+        tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # Each split stores its partial tile (x @ W^T and h @ B are both linear in the K range); the last to
+        # arrive sums them in split order (the same bits whichever arrives last), stores, and resets the tile's
+        # arrival count for the next call. The barrier orders every thread's partial before the release.
+        tile = pid_m * tl.num_programs(1) + pid_n
+        tile_elems: tl.constexpr = BLOCK_M * BLOCK_N
+        within = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        partials = partial_ptr + tile.to(tl.int64) * (SPLIT_K * tile_elems) + within
+        tl.store(partials + pid_k * tile_elems, acc)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.load(partials, cache_modifier=".cg")
+            for part in tl.static_range(1, SPLIT_K):
+                total += tl.load(partials + part * tile_elems, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += bias[None, :]
+            tl.store(out_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 def fits(slice_sizes: Sequence[int], rank: int) -> bool:
@@ -173,14 +211,51 @@ def fits(slice_sizes: Sequence[int], rank: int) -> bool:
 
 
 def block_n_for(slice_sizes: Sequence[int], total: int) -> int | None:
-    """The column tile for these slices: the widest of 128 / 64 / 32 / 16 that divides every slice (a tile never
-    straddles two) and still gives 96 or more tiles, so a decode GEMM's programs cover most of the GPU's SMs
-    (fewer stream too little of the weight at once); None if none divides. Measured at 64 rows on an H200
-    (bench/RESULTS-gpu.md): 128 columns for 12k-22k outputs, 32 for 4k."""
-    dividing = [block for block in (128, 64, 32, 16) if all(size % block == 0 for size in slice_sizes)]
+    """The column tile for these slices without a split of K: the widest of 128 / 64 / 32 / 16 that divides every
+    slice (a tile never straddles two) and still gives 96 or more tiles, so a decode GEMM's programs cover most of
+    the GPU's SMs (fewer stream too little of the weight at once); None if none divides. Measured at 64 rows on
+    an H200 (bench/RESULTS-gpu.md): 128 columns for 12k-22k outputs, 32 for 4k."""
+    dividing = _dividing(slice_sizes)
     if not dividing:
         return None
     return next((block for block in dividing if total // block >= _MIN_TILES), dividing[-1])
+
+
+def _dividing(slice_sizes: Sequence[int]) -> list[int]:
+    """The column tiles, widest first, that divide every slice."""
+    return [block for block in (128, 64, 32, 16) if all(size % block == 0 for size in slice_sizes)]
+
+
+def tiling(slice_sizes: Sequence[int], total: int, k_dim: int) -> tuple[int, int] | None:
+    """(column tile, splits of K) for these slices; None if no column tile divides them.
+
+    The widest dividing tile that gives 96 or more programs, unsplit or with K split in two (each half at least
+    `_MIN_SPLIT_K` long); else `block_n_for`'s narrow tile, unsplit. Where the wide tiles are too few (Llama-7B's
+    o and down: 4096 outputs), halving K beats narrowing the tiles: each program reads x and A for half of K
+    beside twice the columns. Swept at 64 rows on an H200 (bench/RESULTS-gpu.md): o 14.5 us with (64, 2) against
+    16.1 with (32, 1) and 15.9 with (128, 4); down 28.8 against 38.0 and 30.4 (cuBLAS, no LoRA: 12.2 and 29.6)."""
+    for block in _dividing(slice_sizes):
+        tiles = total // block
+        if tiles >= _MIN_TILES:
+            return block, 1
+        if 2 * tiles >= _MIN_TILES and k_dim >= 2 * _MIN_SPLIT_K:
+            return block, 2
+    narrow = block_n_for(slice_sizes, total)
+    return None if narrow is None else (narrow, 1)
+
+
+def _arrivals(device: torch.device) -> torch.Tensor:
+    """The split-K arrival counts for launches on the current stream, all zero between launches (each tile's
+    last arrival resets its own). Kept per stream: launches on one stream, or replays of graphs captured on one
+    capture stream, never overlap, while those of other streams may."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    if key not in _ARRIVALS:
+        _ARRIVALS[key] = torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return _ARRIVALS[key]
+
+
+_ARRIVALS: dict[tuple[str, int], torch.Tensor] = {}
 
 
 @functools.cache
@@ -202,7 +277,7 @@ def _pipeline(x: torch.Tensor, tiles: int, tile_rows: int) -> tuple[int, int]:
     budget = _shared_memory(x.device) // triton.cdiv(tiles, kernels_triton._sm_count(x.device))
     row_bytes = tile_rows * x.element_size()
     block_k = next((k for k in (_BLOCK_K, _BLOCK_K // 2) if 3 * row_bytes * k <= budget), _BLOCK_K // 4)
-    return block_k, max(2, min(4, budget // (row_bytes * block_k)))
+    return block_k, max(2, min(_MAX_STAGES, budget // (row_bytes * block_k)))
 
 
 def gemm_lora(
@@ -216,13 +291,14 @@ def gemm_lora(
     token_slots: torch.Tensor,
     *,
     slice_sizes: Sequence[int],
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """`x @ w.T + bias` plus every row's LoRA delta (module docstring), as a new tensor.
 
     At most one slot may appear among `token_slots` (besides -1): the caller guarantees it (a tile's rows would
     otherwise all take its largest slot's adapter). `b_stack` is the `[S, N, R]` view of rank-major storage, as
     `kernels_triton.expand` takes it. Raises ValueError where the shapes do not fit (`fits` False: use the
-    separate kernels).
+    separate kernels). `split_k` overrides the splits of K that `tiling` picks (tests, probes).
     """
     num_tokens, k_dim = x.shape
     n_dim = w.shape[0]
@@ -235,16 +311,26 @@ def gemm_lora(
         raise ValueError("a_stack holds L*R rows and b_stack R columns for L slices of rank R")
     if x.stride(-1) != 1 or w.stride(-1) != 1 or a_stack.stride(-1) != 1:
         raise ValueError("x, w and a_stack need a contiguous last dimension")
-    block_n = block_n_for(sizes, n_dim)
-    if block_n is None or r_slice > _MAX_RANK:
+    layout = tiling(sizes, n_dim, k_dim)
+    if layout is None or r_slice > _MAX_RANK:
         raise ValueError(f"slices {sizes} at rank {r_slice}: no common column tile of 16 or more, or rank > 64")
+    block_n, split = layout
+    if split_k is not None:
+        block_n, split = (_dividing(sizes)[0] if split_k > 1 else block_n_for(sizes, n_dim) or block_n), split_k
     out = torch.empty(num_tokens, n_dim, dtype=x.dtype, device=x.device)
     starts = [sum(sizes[:i]) for i in range(1, len(sizes))] + [n_dim] * (MAX_SLICES - len(sizes))
     block_m = max(16, min(64, triton.next_power_of_2(num_tokens)))
     interpret = bool(triton.knobs.runtime.interpret)
     block_r = max(RANK_BLOCK.value, triton.next_power_of_2(r_slice))
-    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(n_dim, block_n))
-    block_k, stages = _pipeline(x, grid[0] * grid[1], block_m + block_n + block_r)
+    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(n_dim, block_n), split)
+    if grid[0] * grid[1] > _MAX_SPLIT_TILES:
+        grid, split = (grid[0], grid[1], 1), 1
+    block_k, stages = _pipeline(x, grid[0] * grid[1] * split, block_m + block_n + block_r)
+    k_split = triton.cdiv(triton.cdiv(k_dim, split), block_k) * block_k
+    partials = arrivals = out
+    if split > 1:
+        partials = torch.empty(grid[0] * grid[1] * split * block_m * block_n, dtype=torch.float32, device=x.device)
+        arrivals = _arrivals(x.device)
     pdl = kernels_triton.pdl_default(x.device)
     _gemm_lora_kernel[grid](
         x,
@@ -256,6 +342,8 @@ def gemm_lora(
         b_stack,
         ranks,
         scalings,
+        partials,
+        arrivals,
         num_tokens,
         *starts[:3],
         x.stride(0),
@@ -274,10 +362,13 @@ def gemm_lora(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        SPLIT_K=split,
+        K_SPLIT=k_split,
+        EVEN_K=k_split * split == k_dim,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         UPCAST=interpret,
         GDC=pdl,
-        num_warps=4,
+        num_warps=_NUM_WARPS,
         num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )

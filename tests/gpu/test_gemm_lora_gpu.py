@@ -13,6 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 SHAPES = {  # (input width, slices)
     "llama-qkv": (4096, [4096, 4096, 4096]),
+    "llama-o": (4096, [4096]),
     "llama-down": (11008, [4096]),
     "llama-gate-up": (4096, [11008, 11008]),
     "smollm2-qkv": (576, [576, 192, 192]),
@@ -47,3 +48,34 @@ def test_gemm_lora_matches_torch(shape: str, slot: int) -> None:
     assert rel_err(got, want) < 1e-2
     plain = reference_gemm_lora(*args, torch.full_like(slots, -1), slice_sizes=sizes)
     assert rel_err(want, plain) > 5e-2  # the delta is large enough for the check to mean something
+
+
+def test_split_k_in_a_cuda_graph_repeats_bit_for_bit() -> None:
+    """Llama-7B's o projection splits K in two (`tiling`): three launches captured in one graph, replayed
+    twice, give the eager launches' bits, so every tile's arrival count was back at zero each time."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(64, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    ws = [(torch.randn(4096, 4096, device="cuda", generator=gen) / 64).to(torch.bfloat16) for _ in range(3)]
+    a_stack = (torch.randn(1, 16, 4096, device="cuda", generator=gen) / 64).to(torch.bfloat16)
+    b_stack = torch.randn(1, 16, 4096, device="cuda", generator=gen).to(torch.bfloat16).transpose(1, 2)
+    ranks, scalings = torch.tensor([16], dtype=torch.int32, device="cuda"), torch.ones(1, device="cuda")
+    slots = torch.zeros(64, dtype=torch.int32, device="cuda")
+
+    def three() -> list[torch.Tensor]:
+        return [gemm_lora(x, w, None, a_stack, b_stack, ranks, scalings, slots, slice_sizes=[4096]) for w in ws]
+
+    eager = three()
+    want = reference_gemm_lora(x, ws[0], None, a_stack, b_stack, ranks, scalings, slots, slice_sizes=[4096])
+    assert rel_err(eager[0], want) < 1e-2
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        three()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = three()
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(got, e) for got, e in zip(captured, eager, strict=True))

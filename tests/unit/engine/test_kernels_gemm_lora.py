@@ -59,6 +59,18 @@ def test_shapes_are_checked_before_launch() -> None:
     assert block_n_for([576, 192, 192], 960) == 16 and block_n_for([40, 8], 48) is None
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_tiling_splits_k_where_wide_tiles_are_too_few() -> None:
+    """q/k/v and gate/up keep 128-column tiles unsplit; o and down (4096 outputs) take 64-column tiles with K split
+    in two rather than 32-column tiles; SmolLM2's inputs (576) are too short to split, its widths stay narrow."""
+    from engine.kernels_gemm_lora import tiling
+
+    assert tiling([4096] * 3, 12288, 4096) == (128, 1) and tiling([11008] * 2, 22016, 4096) == (128, 1)
+    assert tiling([4096], 4096, 4096) == (64, 2) and tiling([4096], 4096, 11008) == (64, 2)
+    assert tiling([576, 192, 192], 960, 576) == (16, 1) and tiling([1536, 1536], 3072, 576) == (32, 1)
+    assert tiling([576], 576, 1536) == (16, 1) and tiling([40, 8], 48, 64) is None
+
+
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="compiled launch shapes (parent process); needs triton")
 def test_pipeline_fits_the_gpus_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """K tile and stages from the shared memory each resident program gets: a pipeline sized for an H200 does not
@@ -111,3 +123,21 @@ class TestInterpreted:
         if slot != 2:  # the LoRA delta is there to be checked (a rank-0 slot adds none)
             assert rel_err(want, plain) > 10 * TOLERANCE[dtype]
         torch.testing.assert_close(got[slots < 0].float(), plain[slots < 0].float(), rtol=0, atol=TOLERANCE[dtype] * 10)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+    @pytest.mark.parametrize(("k", "split"), [(600, 3), (768, 3), (256, 1)], ids=["masked-tail", "even", "unsplit"])
+    def test_split_k_matches_torch_and_repeats_bit_for_bit(self, dtype: torch.dtype, k: int, split: int) -> None:
+        """K split three ways (with a masked K tail, or every K tile whole: the loads without a K mask), or unsplit
+        with whole K tiles; two row tiles, bias added once: the same result as the reference, the same bits on a
+        second call (split partials are summed in split order), every tile's arrival count back at zero."""
+        from engine import kernels_gemm_lora as kg
+
+        sizes = [64, 32, 32]
+        ops = operands(70, k, sizes, 16, dtype, bias=True)
+        slots = torch.tensor([-1 if t % 3 == 1 else 0 for t in range(70)], dtype=torch.int32)
+        args = (ops["x"], ops["w"], ops["bias"], ops["a_stack"], ops["b_stack"], ops["ranks"], ops["scalings"], slots)
+        got = kg.gemm_lora(*args, slice_sizes=sizes, split_k=split)  # type: ignore[arg-type]
+        want = kg.reference_gemm_lora(*args, slice_sizes=sizes)  # type: ignore[arg-type]
+        assert rel_err(got, want) < TOLERANCE[dtype]
+        assert torch.equal(kg.gemm_lora(*args, slice_sizes=sizes, split_k=split), got)  # type: ignore[arg-type]
+        assert not kg._arrivals(torch.device("cpu")).any()
