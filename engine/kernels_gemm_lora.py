@@ -113,6 +113,7 @@ def _gemm_lora_kernel(
     SPLIT_K: tl.constexpr,
     K_SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr,
+    EVEN_M: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     GDC: tl.constexpr,
@@ -147,7 +148,6 @@ def _gemm_lora_kernel(
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     if GDC:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     kk = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
     x_tile = x_ptr + rows[:, None] * stride_xm + kk[None, :]
@@ -155,7 +155,10 @@ def _gemm_lora_kernel(
     a_tile = a_base[None, :] + kk[:, None]
     for k0 in range(0, K_SPLIT, BLOCK_K):
         if EVEN_K:  # every K tile whole (the launch checks): no K mask on the loads of the main loop
-            xt = tl.load(x_tile + k0, mask=in_rows[:, None], other=0.0)
+            if EVEN_M:  # and every row tile whole: x unmasked too (3 us a Llama-7B layer, bench/RESULTS-gpu.md)
+                xt = tl.load(x_tile + k0)
+            else:
+                xt = tl.load(x_tile + k0, mask=in_rows[:, None], other=0.0)
             wt = tl.load(w_tile + k0)
             at = tl.load(a_tile + k0, mask=a_rows[None, :], other=0.0)
         else:
@@ -171,6 +174,8 @@ def _gemm_lora_kernel(
             h = tl.dot(xt.to(tl.float32), at.to(tl.float32), h, input_precision=PRECISION)
         else:
             h = tl.dot(xt, at, h, input_precision=PRECISION)
+    if GDC:  # the next kernel's programs may take this SM's room from here on, not while the weight streams
+        tl.extra.cuda.gdc_launch_dependents()
     hs = tl.where((slots == slot)[:, None] & (slot >= 0), h * scale, 0.0)
     if UPCAST:
         acc = tl.dot(hs, bt.to(tl.float32), acc, input_precision=PRECISION)
@@ -365,6 +370,7 @@ def gemm_lora(
         SPLIT_K=split,
         K_SPLIT=k_split,
         EVEN_K=k_split * split == k_dim,
+        EVEN_M=num_tokens % block_m == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         UPCAST=interpret,
         GDC=pdl,

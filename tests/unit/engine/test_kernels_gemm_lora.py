@@ -125,16 +125,21 @@ class TestInterpreted:
         torch.testing.assert_close(got[slots < 0].float(), plain[slots < 0].float(), rtol=0, atol=TOLERANCE[dtype] * 10)
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-    @pytest.mark.parametrize(("k", "split"), [(600, 3), (768, 3), (256, 1)], ids=["masked-tail", "even", "unsplit"])
-    def test_split_k_matches_torch_and_repeats_bit_for_bit(self, dtype: torch.dtype, k: int, split: int) -> None:
-        """K split three ways (with a masked K tail, or every K tile whole: the loads without a K mask), or unsplit
-        with whole K tiles; two row tiles, bias added once: the same result as the reference, the same bits on a
-        second call (split partials are summed in split order), every tile's arrival count back at zero."""
+    @pytest.mark.parametrize(
+        ("rows", "k", "split"), [(70, 600, 3), (64, 768, 3), (32, 256, 1)], ids=["masked-tail", "even", "unsplit"]
+    )
+    def test_split_k_matches_torch_and_repeats_bit_for_bit(
+        self, dtype: torch.dtype, rows: int, k: int, split: int
+    ) -> None:
+        """K split three ways over two row tiles with a masked K tail; or with every K tile and row tile whole (the
+        main loop's loads then carry no mask); or unsplit with whole tiles. Bias added once: the same result as the
+        reference, the same bits on a second call (split partials are summed in split order), and every tile's
+        arrival count back at zero."""
         from engine import kernels_gemm_lora as kg
 
         sizes = [64, 32, 32]
-        ops = operands(70, k, sizes, 16, dtype, bias=True)
-        slots = torch.tensor([-1 if t % 3 == 1 else 0 for t in range(70)], dtype=torch.int32)
+        ops = operands(rows, k, sizes, 16, dtype, bias=True)
+        slots = torch.tensor([-1 if t % 3 == 1 else 0 for t in range(rows)], dtype=torch.int32)
         args = (ops["x"], ops["w"], ops["bias"], ops["a_stack"], ops["b_stack"], ops["ranks"], ops["scalings"], slots)
         got = kg.gemm_lora(*args, slice_sizes=sizes, split_k=split)  # type: ignore[arg-type]
         want = kg.reference_gemm_lora(*args, slice_sizes=sizes)  # type: ignore[arg-type]
