@@ -161,9 +161,15 @@ def test_a_check_that_waits_too_long_times_out_and_the_next_one_runs(
 
 def test_a_cancelled_process_load_stays_cancelled(process_loaders: dict[str, ProcessLoader], tmp_path: Path) -> None:
     spec = read_spec(write_adapter(tmp_path / "a"), TINY, 8)
-    future = process_loaders["packed"].submit(spec)
+    loader = process_loaders["packed"]
+    # The one worker sleeps first, so the load is still queued when it is cancelled: a warm worker could
+    # otherwise finish a tiny load before `cancel` runs (it did once, on a busy 2-core machine).
+    busy = loader._run(time.sleep, 1.0)
+    future = loader.submit(spec)
     assert future.cancel() and future.cancelled()
-    process_loaders["packed"].submit(spec).result(60)  # the worker is still usable afterwards
+    busy.result(60)
+    assert loader.submit(spec).result(60).rank == spec.rank  # the worker is still usable afterwards
+    assert future.cancelled()
 
 
 def test_pool_with_a_process_loader_loads_and_hot_swaps(tmp_path: Path) -> None:
