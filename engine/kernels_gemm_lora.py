@@ -1,4 +1,4 @@
-"""Decode projections with their LoRA inside the base GEMM (CUDA decode steps; opt-in `EngineConfig.lora_gemm`).
+"""Decode projections with their LoRA inside the base GEMM (CUDA decode steps; `EngineConfig.lora_gemm`, on).
 
 Why: at decode sizes the separate shrink and expand kernels cost about 40 us per Llama-7B layer for one adapter
 on an H200, the latency of their chains of dependent loads rather than their bytes (bench/RESULTS-gpu.md). A
@@ -219,7 +219,8 @@ def block_n_for(slice_sizes: Sequence[int], total: int) -> int | None:
     """The column tile for these slices without a split of K: the widest of 128 / 64 / 32 / 16 that divides every
     slice (a tile never straddles two) and still gives 96 or more tiles, so a decode GEMM's programs cover most of
     the GPU's SMs (fewer stream too little of the weight at once); None if none divides. Measured at 64 rows on
-    an H200 (bench/RESULTS-gpu.md): 128 columns for 12k-22k outputs, 32 for 4k."""
+    an H200 (bench/RESULTS-gpu.md): 128 columns for 12k-22k outputs, 32 for 4k (where `tiling` splits K
+    instead, when K is long enough)."""
     dividing = _dividing(slice_sizes)
     if not dividing:
         return None
