@@ -52,9 +52,9 @@ class EngineConfig:
     fold_lora_shrinks: str = "off"
     # on: CUDA decode steps whose rows use one adapter (base rows beside it allowed) run each projection as
     # one triton GEMM with the LoRA inside (engine/kernels_gemm_lora.py): no LoRA launch of its own. Measured on
-    # an H200 (bench/RESULTS-gpu.md): Llama-7B layers x1.04 the separate kernels' throughput, SmolLM2 decode
-    # tokens/s 1.08-1.09x in graphs and 1.8x eager. Batches of several adapters, and max_lora_rank above 64, keep
-    # the separate kernels.
+    # an H200 (bench/RESULTS-gpu.md): Llama-7B layers x1.12 the separate kernels' throughput (x0.97 of no LoRA),
+    # SmolLM2 decode tokens/s 1.08-1.09x in graphs and 1.8x eager. Batches of several adapters, and
+    # max_lora_rank above 64, keep the separate kernels.
     lora_gemm: str = "on"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
     # CUDA: the process's GIL switch interval while the engine serves (engine/interpreter.py); 0 keeps Python's

@@ -102,7 +102,6 @@ def _gemm_lora_kernel(
     stride_bs: int,
     stride_bn: int,
     stride_br: int,
-    N: tl.constexpr,
     K: tl.constexpr,
     R: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -122,9 +121,8 @@ def _gemm_lora_kernel(
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # BLOCK_N divides N (`tiling`): no column masks
     in_rows = rows < num_tokens
-    in_cols = cols < N
     n0 = pid_n * BLOCK_N
     sl = (n0 >= start1).to(tl.int32) + (n0 >= start2).to(tl.int32) + (n0 >= start3).to(tl.int32)
     rr = tl.arange(0, BLOCK_R)
@@ -132,7 +130,7 @@ def _gemm_lora_kernel(
     # and adapter fills). With PDL it runs while the kernel before this one finishes; x only after the wait.
     slots = tl.load(slots_ptr + rows, mask=in_rows, other=-1)
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)
+        bias = tl.load(bias_ptr + cols).to(tl.float32)
     # One slot for every row that has one: the tile's largest (base rows and padding are -1).
     slot = tl.max(slots, axis=0)
     safe_slot = tl.maximum(slot, 0)
@@ -142,7 +140,7 @@ def _gemm_lora_kernel(
     a_base = a_ptr + safe_slot.to(tl.int64) * stride_as + (sl * R + rr).to(tl.int64) * stride_ar
     bt = tl.load(
         b_ptr + safe_slot.to(tl.int64) * stride_bs + rr[:, None] * stride_br + cols[None, :] * stride_bn,
-        mask=a_rows[:, None] & in_cols[None, :],
+        mask=a_rows[:, None],
         other=0.0,
     )
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -151,7 +149,7 @@ def _gemm_lora_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     kk = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
     x_tile = x_ptr + rows[:, None] * stride_xm + kk[None, :]
-    w_tile = w_ptr + cols[None, :] * stride_wn + kk[:, None]  # BLOCK_N divides N: no column mask
+    w_tile = w_ptr + cols[None, :] * stride_wn + kk[:, None]
     a_tile = a_base[None, :] + kk[:, None]
     for k0 in range(0, K_SPLIT, BLOCK_K):
         if EVEN_K:  # every K tile whole (the launch checks): no K mask on the loads of the main loop
@@ -182,7 +180,7 @@ def _gemm_lora_kernel(
     else:
         acc = tl.dot(hs.to(bt.dtype), bt, acc, input_precision=PRECISION)
     out_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
-    out_mask = in_rows[:, None] & in_cols[None, :]
+    out_mask = in_rows[:, None]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += bias[None, :]
@@ -360,7 +358,6 @@ def gemm_lora(
         b_stack.stride(0),
         b_stack.stride(1),
         b_stack.stride(2),
-        N=n_dim,
         K=k_dim,
         R=r_slice,
         BLOCK_R=block_r,
