@@ -201,7 +201,12 @@ class EnginePool:
             engine_name = adapter.engine_name
             if engine_name not in replica.adapters:
                 await self.register(replica, adapter)
-        message = _generate_request(request, engine_name)
+        try:
+            message = _generate_request(request, engine_name)
+        except ValueError as e:
+            # Out of the wire format's range (a seed beyond uint64, a top_k beyond uint32) or not encodable as
+            # UTF-8 (lone surrogates): the request's fault, so a refusal rather than an exception.
+            raise InvalidRequest(f"request cannot be sent to the engine: {e}") from None
         timeout = None if request.deadline is None else max(0.001, request.deadline - time.monotonic())
         call = replica.stub.Generate(message, timeout=timeout, metadata=metadata)
         replica.calls.add(call)
@@ -235,6 +240,15 @@ class EnginePool:
                 # on the retry instead of failing the request.
                 replica.adapters.pop(engine_name, None)
                 raise ReplicaFailed(f"{replica.name} did not know {engine_name}", before_admission=True) from None
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                # The engine answers UNAVAILABLE itself too (an adapter that failed to load). The replica is
+                # down, and its other streams are cut, only if it fails a Stats poll as well.
+                await self._poll(replica)
+                if replica.healthy:
+                    detail = e.details() or e.code().name
+                    raise ReplicaFailed(
+                        f"engine replica {replica.name} unavailable: {detail}", before_admission=not admitted
+                    ) from None
             raise self._error(replica, e, admitted) from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -451,7 +465,9 @@ def _generate_request(request: GatewayRequest, engine_name: str) -> pb.GenerateR
         stop=s.stop,
     )
     if s.seed is not None:
-        sampling.seed = s.seed
+        # Clients send int64 seeds (OpenAI's range, negatives included); the wire's uint64 takes them mod 2^64,
+        # so each seed still names one sequence of draws.
+        sampling.seed = s.seed % 2**64
     message = pb.GenerateRequest(
         request_id=request.request_id, adapter=engine_name, sampling=sampling, priority=request.priority
     )

@@ -103,7 +103,8 @@ class AdapterInstance:
             raise InvalidRequest("spec.baseModel: required, a non-empty string")
         versions = _versions(spec.get("versions"))
         pinned = spec.get("pinnedVersion")
-        if pinned is not None and pinned not in {v.name for v in versions}:
+        # isinstance first: a list or mapping is unhashable and would raise inside the set lookup.
+        if pinned is not None and (not isinstance(pinned, str) or pinned not in {v.name for v in versions}):
             raise InvalidRequest(f"spec.pinnedVersion: {pinned!r} is not one of spec.versions")
         priority = spec.get("priority", 0)
         if isinstance(priority, bool) or not isinstance(priority, int):
@@ -165,12 +166,19 @@ def _versions(value: object) -> tuple[AdapterVersion, ...]:
         if not isinstance(source, str) or not source:
             raise InvalidRequest(f"{where}.source: required, a non-empty string")
         weight = fields.get("weight")
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) or weight < 0:
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not _finite(weight) or weight < 0:
             raise InvalidRequest(f"{where}.weight: required, a non-negative number")
         versions.append(AdapterVersion(name=name, source=source, weight=weight))
     if sum(v.weight for v in versions) <= 0:
         raise InvalidRequest("spec.versions: weights must add up to more than 0")
     return tuple(versions)
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer beyond float range; every split computed from it would overflow too
+        return False
 
 
 def _mapping(value: object, where: str, allowed: frozenset[str]) -> Mapping[str, Any]:

@@ -167,7 +167,8 @@ def _pick_version(instance: AdapterInstance, routing_key: str | None) -> Adapter
     if routing_key is None:
         point = random.random() * total
     else:
-        digest = hashlib.sha256(f"{instance.name}\0{routing_key}".encode()).digest()
+        # A routing key from a header may hold lone surrogates (bytes that were not UTF-8): hash, never raise.
+        digest = hashlib.sha256(f"{instance.name}\0{routing_key}".encode("utf-8", "surrogatepass")).digest()
         point = int.from_bytes(digest[:8], "big") / 2**64 * total
     for version in instance.versions:
         if version.weight > 0 and point < version.weight:

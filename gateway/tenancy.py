@@ -46,7 +46,9 @@ class Tenant:
 
 def hash_api_key(key: str) -> str:
     """Return the stored form of an API key: `sha256:<hex digest>`."""
-    return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
+    # Header bytes that are not UTF-8 reach us as lone surrogates; "surrogatepass" hashes them (to bytes no
+    # valid key has) instead of raising, and leaves every valid key's digest as it was.
+    return "sha256:" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class TenantDirectory:

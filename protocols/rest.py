@@ -377,12 +377,15 @@ async def _stream(
         return _event_error(first, request_id)
     created = int(time.time())
     model = json.dumps(body.model)
+    # A client's X-Request-Id may hold quotes or backslashes: escape it like every other string here.
     if chat:
-        head = f'{{"id":"chatcmpl-{request_id}","object":"chat.completion.chunk","created":{created},"model":{model}'
+        chunk_id = json.dumps(f"chatcmpl-{request_id}")
+        head = f'{{"id":{chunk_id},"object":"chat.completion.chunk","created":{created},"model":{model}'
         open_text = head + ',"choices":[{"index":0,"delta":{"content":'
         close_text = '},"logprobs":null,"finish_reason":null}]}\n\n'
     else:
-        head = f'{{"id":"cmpl-{request_id}","object":"text_completion","created":{created},"model":{model}'
+        chunk_id = json.dumps(f"cmpl-{request_id}")
+        head = f'{{"id":{chunk_id},"object":"text_completion","created":{created},"model":{model}'
         open_text = head + ',"choices":[{"index":0,"text":'
         close_text = ',"logprobs":null,"finish_reason":null}]}\n\n'
     prefix = b"data: " + open_text.encode()

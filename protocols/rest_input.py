@@ -15,6 +15,10 @@ from gateway.errors import GatewayError, Status
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _MAX_STOP = 4
+# The engine's wire format carries top_k as uint32 and seed as uint64; OpenAI's seeds are int64, which the
+# engine client takes mod 2^64.
+_MAX_TOP_K = 2**32 - 1
+_MIN_SEED, _MAX_SEED = -(2**63), 2**64 - 1
 
 
 class FieldError(GatewayError):
@@ -73,6 +77,7 @@ def parse_completion(data: object, base_name: str) -> ParsedBody:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise _bad("prompt must be a string (token-id prompts are not supported)", "prompt")
+    _text(prompt, "prompt")
     if body.get("logprobs") not in (None, 0):
         raise _bad("logprobs are not supported", "logprobs")
     if body.get("echo"):
@@ -132,8 +137,8 @@ def _common(
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
-        top_k=_int(body, "top_k", 0) or 0,
-        seed=_int(body, "seed", None),
+        top_k=_int(body, "top_k", 0, _MAX_TOP_K) or 0,
+        seed=_int(body, "seed", _MIN_SEED, _MAX_SEED),
         stop=_stop(body.get("stop")),
     )
     return ParsedBody(
@@ -159,7 +164,8 @@ def _message(item: object, index: int) -> ChatMessage:
     if not isinstance(item, dict):
         raise _bad(f"{where} must be an object with role and content", where)
     role = item.get("role")
-    if role not in _ROLES:
+    # isinstance first: a list or object role is unhashable and would raise inside the set lookup.
+    if not isinstance(role, str) or role not in _ROLES:
         raise _bad(f"{where}.role must be one of {', '.join(sorted(_ROLES))}, got {role!r}", f"{where}.role")
     content = item.get("content")
     if isinstance(content, list):
@@ -171,11 +177,12 @@ def _message(item: object, index: int) -> ChatMessage:
         content = "".join(texts)
     if not isinstance(content, str):
         raise _bad(f"{where}.content must be a string or an array of text parts", f"{where}.content")
+    _text(content, f"{where}.content")
     # The chat template knows system, not the newer developer role; they mean the same here.
     return ChatMessage("system" if role == "developer" else str(role), content)
 
 
-def _int(body: dict[str, Any], name: str, minimum: int | None) -> int | None:
+def _int(body: dict[str, Any], name: str, minimum: int | None, maximum: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -183,6 +190,8 @@ def _int(body: dict[str, Any], name: str, minimum: int | None) -> int | None:
         raise _bad(f"{name} must be an integer, got {type(value).__name__}", name)
     if minimum is not None and value < minimum:
         raise _bad(f"{name} must be at least {minimum}, got {value}", name)
+    if maximum is not None and value > maximum:
+        raise _bad(f"{name} must be at most {maximum}, got {value}", name)
     return value
 
 
@@ -190,7 +199,10 @@ def _number(body: dict[str, Any], name: str, low: float, high: float) -> float |
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _bad(f"{name} must be a number", name)
+    # Only floats can be NaN or infinite; math.isfinite on a JSON integer beyond float range overflows.
+    if isinstance(value, float) and not math.isfinite(value):
         raise _bad(f"{name} must be a number", name)
     if not low <= value <= high:
         raise _bad(f"{name} must be between {low:g} and {high:g}, got {value}", name)
@@ -201,10 +213,21 @@ def _stop(value: object) -> tuple[str, ...]:
     if value is None:
         return ()
     if isinstance(value, str):
-        return (value,) if value else ()
+        return (_text(value, "stop"),) if value else ()
     if isinstance(value, list) and all(isinstance(s, str) for s in value) and len(value) <= _MAX_STOP:
-        return tuple(s for s in value if s)
+        return tuple(_text(s, "stop") for s in value if s)
     raise _bad(f"stop must be a string or an array of at most {_MAX_STOP} strings", "stop")
+
+
+def _text(value: str, param: str) -> str:
+    # JSON escapes can spell a lone UTF-16 surrogate ("\ud800"), which no UTF-8 wire (the engine's gRPC
+    # strings) can carry.
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _bad(f"{param} contains an unpaired surrogate escape (not valid Unicode text)", param) from None
+    return value
 
 
 def _bad(message: str, param: str | None = None) -> FieldError:

@@ -335,3 +335,25 @@ async def test_retry_with_no_healthy_replica_left_fails_fast() -> None:
         events = await _run(gateway, _req("stranded"))
         assert isinstance(events[-1], Error) and events[-1].status is Status.UNAVAILABLE
         assert time.monotonic() - started < 2.0
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        _req("big-top-k", sampling=SamplingParams(top_k=2**32)),
+        _req("surrogate", prompt="a\ud800b"),
+        _req("surrogate-chat", prompt=None, messages=(ChatMessage("user", "\udc80"),)),
+    ],
+)
+async def test_request_the_engine_wire_cannot_carry_is_one_error_event(
+    engine: FastEngineFixture, request_: GatewayRequest
+) -> None:
+    # Values outside the engine's proto field ranges once raised out of `submit` (a 500 at the REST
+    # boundary) instead of ending the stream with one Error event.
+    async with _gateway([engine]) as gateway:
+        events = await _run(gateway, request_)
+        assert len(events) == 1 and isinstance(events[0], Error)
+        assert events[0].status is Status.INVALID_ARGUMENT
+        stats = gateway.queue_stats()["alice"]
+        assert (stats.depth, stats.in_flight_requests, stats.in_flight_tokens) == (0, 0, 0)
+        assert gateway.pool.replicas[0].in_flight == 0

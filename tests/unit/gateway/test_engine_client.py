@@ -1,12 +1,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from collections.abc import AsyncIterator
+from typing import Any
 
+import grpc
 import pytest
 
 from bench.fast_engine import FastEngineFixture, FastEngineOptions
+from engine import engine_pb2 as pb
 from gateway.api import Done, GatewayRequest, SamplingParams, TokenChunk
 from gateway.engine_client import SMALLEST_TOP_P, EnginePool, ReplicaFailed, _generate_request
 from gateway.errors import InvalidRequest
@@ -203,3 +207,38 @@ def test_top_p_zero_keeps_only_the_top_token() -> None:
     assert _generate_request(zero, "").sampling.top_p == pytest.approx(SMALLEST_TOP_P)
     assert 0 < SMALLEST_TOP_P < 1 / 200_000  # below any token's share of a real vocabulary: the top one alone
     assert _generate_request(_request(), "").sampling.top_p == 1.0
+
+
+def test_negative_seeds_reach_the_engine_as_distinct_uint64_seeds() -> None:
+    # OpenAI's seeds are int64; the wire's is uint64 (a negative seed once made building the message raise).
+    def seed(value: int) -> int:
+        request = dataclasses.replace(_request(), sampling=SamplingParams(seed=value))
+        return _generate_request(request, "").sampling.seed
+
+    assert seed(-1) == 2**64 - 1 and seed(-(2**63)) == 2**63 and seed(7) == 7
+    assert len({seed(v) for v in (-2, -1, 0, 1, 2**64 - 1)}) == 4  # -1 and 2^64 - 1 are one seed
+
+
+class _FailedAdapterEngine(FastEngineFixture):
+    """Answers UNAVAILABLE for one adapter, as the engine does for an adapter whose load failed."""
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if request.adapter == "broken@v1":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "adapter 'broken@v1' failed to load: bad weights")
+        async for response in super().Generate(request, context):
+            yield response
+
+
+async def test_engine_answering_unavailable_for_one_request_leaves_the_replica_serving() -> None:
+    # The engine's own UNAVAILABLE (one adapter failed to load) once marked the whole replica dead: every
+    # other stream on it was cut and, with no other replica, every queued request failed.
+    async with _FailedAdapterEngine(FastEngineOptions(chunks=30, delay_s=0.01)) as engine:
+        async with EnginePool([f"127.0.0.1:{engine.port}"], poll_interval_s=60) as pool:
+            replica = pool.replicas[0]
+            running = asyncio.create_task(_collect(pool, _request("running")))
+            await asyncio.sleep(0.05)
+            with pytest.raises(ReplicaFailed, match="failed to load"):
+                await _collect(pool, _request("bad"), _adapter("broken"))
+            assert replica.healthy
+            events = await running
+            assert isinstance(events[-1], Done) and events[-1].finish_reason == "stop"

@@ -117,6 +117,9 @@ def test_parse_skips_empty_documents_and_accepts_json() -> None:
             "versions[1].name: duplicate version 'v1'",
         ),
         (json.dumps(_doc(pinnedVersion="v9")), "spec.pinnedVersion: 'v9'"),
+        # Once a TypeError and an OverflowError: a 500 from the admin API instead of a 400.
+        (json.dumps(_doc(pinnedVersion=["v1"])), "spec.pinnedVersion"),
+        (json.dumps(_doc(versions=[{"name": "v1", "source": "s", "weight": 10**400}])), "versions[0].weight"),
         (json.dumps(_doc(priority="high")), "spec.priority"),
         (json.dumps(_doc(pin="yes")), "spec.pin"),
         (json.dumps(_doc(allowedTenants="acme")), "spec.allowedTenants"),
@@ -189,6 +192,14 @@ def test_split_follows_weights_and_is_sticky(registry: Registry) -> None:
     for i in range(200):
         first = registry.resolve("pirate", "t", f"user-{i}").version
         assert all(registry.resolve("pirate", "t", f"user-{i}").version == first for _ in range(5))
+
+
+def test_routing_key_that_is_not_valid_unicode_is_still_sticky(registry: Registry) -> None:
+    # An X-Routing-Key header with bytes that are not UTF-8 arrives as lone surrogates; hashing it once raised.
+    key = b"user-\xff".decode("utf-8", "surrogateescape")
+    first = registry.resolve("pirate", "t", key).version
+    assert all(registry.resolve("pirate", "t", key).version == first for _ in range(5))
+    assert registry.resolve("pirate", "t", "\ud800").version in {"v1", "v2"}
 
 
 def test_zero_weight_version_gets_no_traffic(registry: Registry) -> None:

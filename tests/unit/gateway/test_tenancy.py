@@ -58,6 +58,9 @@ def test_authenticate_hashed_and_plain_keys() -> None:
         ("", "missing API key"),
         ("nope", "invalid API key"),
         (hash_api_key("acme-secret"), "invalid API key"),
+        # aiohttp decodes header bytes that are not UTF-8 to lone surrogates; hashing them once raised a 500.
+        (b"\xffacme".decode("utf-8", "surrogateescape"), "invalid API key"),
+        ("\ud800", "invalid API key"),
     ],
 )
 def test_authenticate_rejects(key: str | None, message: str) -> None:

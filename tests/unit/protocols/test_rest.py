@@ -136,6 +136,20 @@ async def test_chat_stream_with_usage(rest: tuple[RestServer, FakeGateway, str],
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 6
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_stream_ids_stay_valid_json_whatever_the_request_id(
+    rest: tuple[RestServer, FakeGateway, str], http: aiohttp.ClientSession, path: str
+) -> None:
+    # X-Request-Id may hold any printable ASCII; it once went into the SSE chunks' JSON unescaped.
+    _, _, url = rest
+    body = _chat(stream=True) if "chat" in path else {"model": "base", "prompt": "x", "stream": True}
+    async with http.post(f"{url}{path}", json=body, headers={**KEY, "X-Request-Id": 'r"1\\'}) as r:
+        assert r.headers["X-Request-Id"] == 'r"1\\'
+        chunks = await _sse(r)
+    prefix = "chatcmpl-" if "chat" in path else "cmpl-"
+    assert chunks and all(c["id"] == prefix + 'r"1\\' for c in chunks)
+
+
 async def test_completion_stream_without_usage(
     rest: tuple[RestServer, FakeGateway, str], http: aiohttp.ClientSession
 ) -> None:
@@ -174,6 +188,22 @@ async def test_completion_stream_without_usage(
         ("/v1/completions", {"model": "base", "prompt": [1, 2]}, "prompt", "send exactly one prompt"),
         ("/v1/completions", {"model": "base", "prompt": [[1, 2]]}, "prompt", "token-id prompts"),
         ("/v1/completions", {"model": "base", "prompt": "x", "echo": True}, "echo", "not supported"),
+        # Shapes that once escaped validation and crashed a handler (500) or the engine call.
+        ("/v1/chat/completions", _chat(messages=[{"role": ["user"], "content": "x"}]), "messages[0].role", "role"),
+        ("/v1/chat/completions", _chat(messages=[{"role": {}, "content": "x"}]), "messages[0].role", "role"),
+        ("/v1/chat/completions", _chat(temperature=10**400), "temperature", "between 0 and 2"),
+        ("/v1/completions", {"model": "base", "prompt": "x", "top_p": -(10**400)}, "top_p", "between 0 and 1"),
+        ("/v1/chat/completions", _chat(seed=-(2**63) - 1), "seed", "at least"),
+        ("/v1/chat/completions", _chat(seed=2**64), "seed", "at most"),
+        ("/v1/chat/completions", _chat(top_k=2**32), "top_k", "at most"),
+        ("/v1/completions", {"model": "base", "prompt": "a\ud800b"}, "prompt", "unpaired surrogate"),
+        (
+            "/v1/chat/completions",
+            _chat(messages=[{"role": "user", "content": "\udc00"}]),
+            "messages[0].content",
+            "surrogate",
+        ),
+        ("/v1/chat/completions", _chat(stop=["ok", "\ud800"]), "stop", "unpaired surrogate"),
     ],
 )
 async def test_bad_input_is_a_400_naming_the_problem(
