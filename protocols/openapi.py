@@ -70,7 +70,7 @@ def openapi_document(model_name: str) -> dict[str, Any]:
         "type": "object",
         "required": ["role", "content"],
         "properties": {
-            "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+            "role": {"enum": ["system", "developer", "user", "assistant"]},
             "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
         },
     }

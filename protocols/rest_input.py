@@ -13,7 +13,8 @@ from typing import Any
 from gateway.api import ChatMessage, SamplingParams
 from gateway.errors import GatewayError, Status
 
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# No "tool": tools are refused, so a tool result has no call to answer (the engine's chat template has no such role).
+_ROLES = frozenset({"system", "developer", "user", "assistant"})
 _MAX_STOP = 4
 # The engine's wire format carries top_k as uint32 and seed as uint64; OpenAI's seeds are int64, which the
 # engine client takes mod 2^64.

@@ -191,6 +191,8 @@ async def test_completion_stream_without_usage(
         # Shapes that once escaped validation and crashed a handler (500) or the engine call.
         ("/v1/chat/completions", _chat(messages=[{"role": ["user"], "content": "x"}]), "messages[0].role", "role"),
         ("/v1/chat/completions", _chat(messages=[{"role": {}, "content": "x"}]), "messages[0].role", "role"),
+        # Refused by the engine only after the request had waited in the queue.
+        ("/v1/chat/completions", _chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].role", "'tool'"),
         ("/v1/chat/completions", _chat(temperature=10**400), "temperature", "between 0 and 2"),
         ("/v1/completions", {"model": "base", "prompt": "x", "top_p": -(10**400)}, "top_p", "between 0 and 1"),
         ("/v1/chat/completions", _chat(seed=-(2**63) - 1), "seed", "at least"),
