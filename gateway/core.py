@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -76,6 +78,7 @@ class Gateway:
         self._access_log = access_log_enabled
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._engine_calls = itertools.count()
         self.metrics.observe_queue(self.fair_queue.stats)
         self.metrics.observe_engines(lambda: {r.name: r.healthy for r in pool.replicas})
         self.metrics.observe_engine_stats(pool.polled_figures)
@@ -134,6 +137,9 @@ class Gateway:
         first_token_at = 0.0
         parent = propagate.extract(request.trace_context) if request.trace_context else None
         tenant = request.tenant
+        # Request ids are the clients' own: the queue knows them per tenant, so two tenants may pick the same
+        # one (and neither learns the other's ids from a refusal).
+        queued_id = f"{tenant}/{request.request_id}"
         try:
             try:
                 if not self.pool.healthy_count():
@@ -144,7 +150,7 @@ class Gateway:
                 queue_span = _tracer.start_span("gateway.queue", context=parent)
                 try:
                     ticket = await self.queue.acquire(
-                        request.request_id, tenant, self._priority(tenant), cost, request.deadline, engine_name
+                        queued_id, tenant, self._priority(tenant), cost, request.deadline, engine_name
                     )
                 finally:
                     queue_span.end()
@@ -156,7 +162,10 @@ class Gateway:
                     assert ticket.slot is not None
                     engine_span.set_attribute("engine.replica", ticket.slot.name)
                     try:
-                        stream = self.pool.generate(ticket.slot, request, resolved, _trace_metadata(engine_span))
+                        # One engine id per call: the Abort of a cut stream goes out in the background and must
+                        # not reach a later call of the same client id (a retry, or the client's next request).
+                        call = dataclasses.replace(request, request_id=f"{queued_id}#{next(self._engine_calls)}")
+                        stream = self.pool.generate(ticket.slot, call, resolved, _trace_metadata(engine_span))
                         async with contextlib.aclosing(stream):
                             async for event in stream:
                                 if type(event) is TokenChunk:
@@ -182,7 +191,7 @@ class Gateway:
                         if not self.pool.healthy_count():
                             raise _no_engine() from None
                         ticket = await self.queue.acquire(
-                            request.request_id,
+                            queued_id,
                             tenant,
                             self._priority(tenant),
                             cost,

@@ -283,7 +283,9 @@ class EnginePool:
         return cls(detail)
 
     async def _abort(self, replica: Replica, request_id: str) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError):
+        # UsageError: the pool closed the channel meanwhile (a stream cut while the gateway shut down); the
+        # engine drops the streams of a closed channel itself.
+        with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
             await replica.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self._rpc_timeout_s)
 
     # -- adapters ------------------------------------------------------------------------------

@@ -53,6 +53,15 @@ async def _run(gateway: Gateway, request: GatewayRequest) -> list[Event]:
     return [event async for event in gateway.submit(request)]
 
 
+def _client_ids(engine: FastEngineFixture) -> list[str]:
+    """The client request ids behind the engine calls it saw (the core calls `<tenant>/<id>#<call>`)."""
+    return [r.request_id.split("/", 1)[1].rsplit("#", 1)[0] for r in engine.requests_seen]
+
+
+def _engine_id(engine: FastEngineFixture, client_id: str) -> str | None:
+    return next((rid for rid in engine.active if rid.split("/", 1)[1].rsplit("#", 1)[0] == client_id), None)
+
+
 class DenyLongPrompts:
     async def check(self, item: PolicyInput) -> PolicyDecision:
         return PolicyDecision(item.prompt_chars < 50, "prompt too long for this test policy")
@@ -149,7 +158,7 @@ async def test_deadline_while_queued_never_reaches_the_engine() -> None:
             events = await _run(gateway, _req("late", deadline=time.monotonic() + 0.1))
             assert isinstance(events[0], Error) and events[0].status is Status.DEADLINE_EXCEEDED
             assert 0.08 < time.monotonic() - started < 0.4
-            assert [r.request_id for r in slow.requests_seen] == ["busy"]
+            assert _client_ids(slow) == ["busy"]
             assert gateway.queue_stats()["alice"].depth == 0
             assert isinstance((await busy)[-1], Done)
 
@@ -180,7 +189,7 @@ async def test_cancel_while_queued_leaves_the_queue() -> None:
                 await waiting
             assert gateway.queue_stats()["alice"].depth == 0
             await busy
-            assert [r.request_id for r in slow.requests_seen] == ["busy"]
+            assert _client_ids(slow) == ["busy"]
             assert gateway.pool.replicas[0].in_flight == 0
 
 
@@ -208,7 +217,7 @@ async def test_fair_pick_serves_a_late_tenant_before_the_backlog_ends() -> None:
             await asyncio.sleep(0)
             tasks.append(asyncio.create_task(_run(gateway, _req("b0", tenant="bob"))))
             await asyncio.gather(*tasks)
-            order = [r.request_id for r in slow.requests_seen]
+            order = _client_ids(slow)
     # FIFO would serve bob 13th. The fair queue lifts bob to alice's counter (which includes the
     # reservation of her running request, 17 tokens), then serves him once alice's real usage
     # (3 tokens a request) passes it: 7th or 8th.
@@ -225,7 +234,7 @@ async def test_replica_death_fails_running_requests_and_others_move_on() -> None
             gateway.pool.replicas[1].in_flight = 1  # occupy the healthy replica so the first goes to slow
             doomed = asyncio.create_task(_run(gateway, _req("doomed")))
             await asyncio.sleep(0.05)
-            assert "doomed" in slow.active
+            assert _engine_id(slow, "doomed") is not None
             gateway.pool.replicas[1].in_flight = 0
             gateway.queue.pump()
             waiting = [asyncio.create_task(_run(gateway, _req(f"w{i}"))) for i in range(3)]
@@ -357,3 +366,43 @@ async def test_request_the_engine_wire_cannot_carry_is_one_error_event(
         stats = gateway.queue_stats()["alice"]
         assert (stats.depth, stats.in_flight_requests, stats.in_flight_tokens) == (0, 0, 0)
         assert gateway.pool.replicas[0].in_flight == 0
+
+
+async def test_two_tenants_may_use_the_same_request_id_at_once() -> None:
+    # Request ids once were one namespace for all tenants: bob's "r1" was refused while alice's ran, which
+    # also told bob which ids alice used.
+    async with FastEngineFixture(FastEngineOptions(chunks=20, delay_s=0.005)) as slow:
+        async with _gateway([slow]) as gateway:
+            alice = asyncio.create_task(_run(gateway, _req("r1")))
+            await asyncio.sleep(0.02)
+            bob = await _run(gateway, _req("r1", tenant="bob"))
+            assert isinstance(bob[-1], Done), bob
+            assert isinstance((await alice)[-1], Done)
+            events = await _run(gateway, _req("r1"))  # alice's "r1" is done: the id is free again
+            assert isinstance(events[-1], Done)
+
+
+async def test_a_request_id_is_still_refused_while_its_tenant_runs_it() -> None:
+    async with FastEngineFixture(FastEngineOptions(chunks=20, delay_s=0.005)) as slow:
+        async with _gateway([slow]) as gateway:
+            first = asyncio.create_task(_run(gateway, _req("twice")))
+            await asyncio.sleep(0.02)
+            events = await _run(gateway, _req("twice"))
+            assert isinstance(events[0], Error) and events[0].status is Status.INVALID_ARGUMENT
+            assert "already queued or running" in events[0].message
+            assert isinstance((await first)[-1], Done)
+
+
+async def test_each_engine_call_has_its_own_id() -> None:
+    # The Abort of a stream the client left goes out in the background. With the client's id as the engine's,
+    # it could reach the client's next request of the same id.
+    async with FastEngineFixture(FastEngineOptions(chunks=1000, delay_s=0.005)) as slow:
+        slow.record_requests = True
+        async with _gateway([slow]) as gateway:
+            stream = gateway.submit(_req("same"))
+            assert isinstance(await anext(stream), TokenChunk)
+            await stream.aclose()  # type: ignore[attr-defined]
+            events = await _run(gateway, _req("same", sampling=SamplingParams(max_tokens=3)))
+            assert isinstance(events[-1], Done), events
+            first, second = (r.request_id for r in slow.requests_seen)
+            assert first != second and _client_ids(slow) == ["same", "same"]

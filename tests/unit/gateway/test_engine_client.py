@@ -242,3 +242,12 @@ async def test_engine_answering_unavailable_for_one_request_leaves_the_replica_s
             assert replica.healthy
             events = await running
             assert isinstance(events[-1], Done) and events[-1].finish_reason == "stop"
+
+
+async def test_an_abort_after_the_pool_closed_is_dropped_quietly() -> None:
+    # A stream cut during shutdown sends its Abort after the channels closed; it once raised UsageError in a
+    # background task ("Task exception was never retrieved").
+    async with FastEngineFixture(FastEngineOptions(chunks=2)) as engine:
+        async with EnginePool([f"127.0.0.1:{engine.port}"], poll_interval_s=60) as pool:
+            replica = pool.replicas[0]
+        await pool._abort(replica, "late")
