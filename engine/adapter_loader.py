@@ -141,7 +141,10 @@ class ProcessLoader:
         # may have been loading another adapter, and this one's requests should not fail for it.
         def again() -> None:
             if not outer.done():
-                self._start(spec, outer, retry=False)
+                try:
+                    self._start(spec, outer, retry=False)
+                except Exception as exc:  # no new workers: in a future's callback, raising would leave it pending
+                    outer.set_exception(exc)
 
         on_broken = again if retry else None
         extent = self._extent_for(spec)
@@ -252,6 +255,10 @@ def _settle(
             return
         if exc is not None:
             outer.set_exception(exc)
+            return
+        # Running, `outer` can no longer be cancelled: the copy (maybe an extent of the arena) then always
+        # reaches the caller, who gives it back. A cancel during the copy left it with nobody.
+        if not outer.set_running_or_notify_cancel():
             return
         try:
             outer.set_result(_own(inner.result(), pin, arena))

@@ -77,8 +77,9 @@ def read_spec(path: str | Path, arch: ModelArch, max_rank: int) -> AdapterSpec:
     if rank > max_rank:
         raise AdapterError(f"{folder}: rank {rank} exceeds the engine's max_lora_rank {max_rank}")
     alpha = config.get("lora_alpha", rank)
-    if not isinstance(alpha, (int, float)):
-        raise AdapterError(f"{folder}: lora_alpha must be a number, got {alpha!r}")
+    # Python's JSON reads NaN and Infinity: such a scaling would make every output of the adapter NaN.
+    if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise AdapterError(f"{folder}: lora_alpha must be a finite number, got {alpha!r}")
     modules = _check_weights_header(folder, arch, rank)
     targets = config.get("target_modules")
     if isinstance(targets, list):
@@ -142,6 +143,7 @@ def load_adapter(
     except (SafetensorError, OSError) as exc:
         raise AdapterError(f"{spec.path}: cannot load {WEIGHTS_FILE} ({exc})") from exc
     tensors = _pairs(spec.path, raw)
+    _check_registered(spec, tensors)
     pin = torch.cuda.is_available() if pin is None else pin
     # The conversion to `dtype` happens in the one copy into the final buffer, which is checked as a whole
     # (values finite in the file can overflow in a narrower dtype); the culprit is looked for only on failure.
@@ -187,9 +189,7 @@ def load_layers_into(
         raise
     except (SafetensorError, OSError, ValueError) as exc:  # ValueError: mmap of a file emptied meanwhile
         raise AdapterError(f"{spec.path}: cannot load {WEIGHTS_FILE} ({exc})") from exc
-    changed = {module for _, module in tensors} - spec.modules
-    if changed:
-        raise AdapterError(f"{spec.path}: {WEIGHTS_FILE} changed since it was registered (now has {sorted(changed)})")
+    _check_registered(spec, tensors)
     try:
         spans = pack_layers(layout, image, image_groups(spec.modules), spec.rank, tensors, layers)
     except RuntimeError as exc:  # a shape that changed since registration
@@ -267,6 +267,21 @@ def _pairs(folder: Path, raw: dict[str, torch.Tensor]) -> dict[tuple[int, str], 
             raise AdapterError(f"{folder}: layer {key[0]} {key[1]} lacks lora_{'B' if 'A' in pair else 'A'}")
         tensors[key] = (pair["A"], pair["B"])
     return tensors
+
+
+def _check_registered(spec: AdapterSpec, tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """AdapterError if the file as read now (`tensors`) no longer matches its registered `spec`: a file
+    rewritten since its check. Its tensors are copied into places sized for `spec`, where a rank-1 file
+    would broadcast silently and other projections would be served under the registered ones' names."""
+    changed = {module for _, module in tensors} - spec.modules
+    if changed:
+        raise AdapterError(f"{spec.path}: {WEIGHTS_FILE} changed since it was registered (now has {sorted(changed)})")
+    for (layer, module), (a, b) in tensors.items():
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != spec.rank or b.shape[1] != spec.rank:
+            raise AdapterError(
+                f"{spec.path}: {WEIGHTS_FILE} changed since it was registered "
+                f"({module} of layer {layer} is not of rank {spec.rank})"
+            )
 
 
 def _non_finite(tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> str:

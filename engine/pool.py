@@ -141,12 +141,14 @@ class AdapterPool:
         version = AdapterVersion(name=name, spec=spec, pinned=pinned)
         with self._lock:
             old = self._by_name.get(name)
-            if old is not None and old.spec.path == spec.path and old.error is None:
-                old.pinned = pinned
-                return old
+            # The latest registration wins, the current path's too: a replacement still loading must not
+            # take the name over once it has loaded.
             superseded = self._staged.pop(name, None)
             if superseded is not None:
                 self._retire(superseded)
+            if old is not None and old.spec.path == spec.path and old.error is None:
+                old.pinned = pinned
+                return old
             if old is not None and old.error is None:
                 self._staged[name] = version
             else:
@@ -226,9 +228,8 @@ class AdapterPool:
                 slot = self._free_slot(spare=self._unclaimed)
                 if slot is None:  # only adapters filled ahead for other requests are idle: take one of those
                     slot = self._free_slot()
-                if slot is None:
+                if slot is None or not self._fill(slot, version):
                     return None
-                self._fill(slot, version)
                 self.slot_misses += 1
             elif version in self._unclaimed:
                 self.slot_misses += 1  # filled ahead for this very request: a miss whose copy nobody waited for
@@ -262,7 +263,8 @@ class AdapterPool:
                 slot = self._free_slot(spare=spare)
                 if slot is None:
                     break
-                self._fill(slot, version)
+                if not self._fill(slot, version):
+                    continue
                 self._unclaimed.add(version)
                 filled += 1
             self.fills_ahead += filled
@@ -282,7 +284,14 @@ class AdapterPool:
         self.loads_started += 1
         version.error = None
         version.settled.clear()
-        future = self._loader.submit(version.spec)
+        try:
+            future = self._loader.submit(version.spec)
+        except Exception as exc:
+            # No loader could take it (loader processes that cannot start again): a failed load, held in the
+            # negative cache. Raised, it left `ready` in the engine's loop, and `register` with the version in
+            # place but nothing loading it.
+            future = Future()
+            future.set_exception(exc)
         version.loading = future
         future.add_done_callback(functools.partial(self._loaded, version))
 
@@ -315,19 +324,32 @@ class AdapterPool:
                     self._trim_host(keep=version)
         finally:
             version.settled.set()
-        for callback in self.on_loaded:
-            callback()
+            # Whatever the outcome: the engine wakes to start the requests waiting for the load, or to end
+            # them with its error (`LLMEngine._reap`).
+            for callback in self.on_loaded:
+                callback()
 
-    def _fill(self, slot: int, version: AdapterVersion) -> None:
+    def _fill(self, slot: int, version: AdapterVersion) -> bool:
+        """Copy `version` into the free `slot`; False if its weights do not fit the slots, which fails it."""
         assert version.weights is not None
         try:
             self._stacks.set_lora(slot, version.weights)
-        except BaseException:
+        except Exception as exc:
+            # Weights that loaded but do not fit (a file rewritten for another base model since its check,
+            # on loose stacks) fail their adapter like a failed load: raised into the engine's step, they
+            # failed its running requests at every step, and the adapter's own requests never ended.
             self._stacks.reset_lora(slot)  # the evicted adapter's table entry must not stay behind
+            version.error = f"cannot copy into a slot: {exc!r}"
+            version.failed_at = time.monotonic()
+            self._discard_weights(version)  # once out of the negative cache, a request reads the file again
+            return False
+        except BaseException:
+            self._stacks.reset_lora(slot)
             raise
         self._slots[slot] = version
         version.slot = slot
         self._eviction.on_insert(version.key, 1, time.monotonic())
+        return True
 
     def _free_slot(self, spare: set[AdapterVersion] | None = None) -> int | None:
         """An empty slot, or the slot of the idle adapter the policy evicts (never one in `spare`)."""

@@ -222,3 +222,62 @@ def test_workers_start_with_the_loader_not_with_the_first_load() -> None:
         assert len(loader._executor._processes) == 2  # type: ignore[attr-defined]
     finally:
         loader.close()
+
+
+def test_a_load_cancelled_while_its_result_is_copied_out_leaves_no_extent_taken(
+    shared_arena: PinnedArena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker's result is copied into an extent of the arena (`_own`) on a thread of the engine process. A
+    cancel meanwhile (the pool retires a version in a hot swap or an unload) made the result undeliverable,
+    and the extent, held by nobody, never went back."""
+    from concurrent.futures import Future
+
+    empty = shared_arena.free_pages
+    outer: Future[AdapterWeights] = Future()
+    real_own = loader_module._own
+
+    def own_then_cancel(*args):  # type: ignore[no-untyped-def]
+        owned = real_own(*args)
+        outer.cancel()  # from another thread, while the copy ran
+        return owned
+
+    monkeypatch.setattr(loader_module, "_own", own_then_cancel)
+    packed = torch.ones(3 * shared_arena.page_bytes // 4)  # a worker's image in its shared memory
+    inner: Future[AdapterWeights] = Future()
+    inner.add_done_callback(loader_module._settle(outer, False, shared_arena, None))
+    inner.set_result(AdapterWeights(4, 2.0, frozenset({"q_proj"}), {}, packed, ("qkv",)))
+    assert outer.done()
+    if not outer.cancelled():  # delivered: the caller's (the pool's) to give back
+        weights = outer.result(0)
+        assert weights.packed is not None and shared_arena.give_back(weights.packed)
+    assert shared_arena.free_pages == empty
+
+
+def test_a_load_restarted_after_the_workers_died_fails_if_no_new_worker_takes_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The restart runs in a callback of the failed future, where an exception is only logged: a restart
+    that could not submit (new workers that could not start) left the load pending for good, and the
+    requests waiting for its adapter with it."""
+    import threading
+    from concurrent.futures import Future
+    from concurrent.futures.process import BrokenProcessPool
+
+    loader = ProcessLoader.__new__(ProcessLoader)  # no workers: `_run` below stands for them
+    loader._dtype, loader._layout, loader._arena = torch.float32, None, None
+    loader._pin, loader._workers, loader._lock = False, 1, threading.RLock()
+    calls = []
+
+    def run(fn, *args):  # type: ignore[no-untyped-def]
+        calls.append(fn)
+        if len(calls) > 1:
+            raise RuntimeError("cannot start loader processes")
+        broken: Future[AdapterWeights] = Future()
+        broken.set_exception(BrokenProcessPool("a worker died"))
+        return broken
+
+    monkeypatch.setattr(loader, "_run", run)
+    future = loader.submit(read_spec(write_adapter(tmp_path / "a"), TINY, 8))
+    assert len(calls) == 2  # started once more
+    with pytest.raises(RuntimeError, match="cannot start loader processes"):
+        future.result(timeout=1)

@@ -165,6 +165,9 @@ def test_a_part_refuses_a_file_changed_since_registration(tmp_path: Path) -> Non
     with pytest.raises(AdapterError, match=r"changed since it was registered \(now has \['o_proj'\]\)"):
         load_layers_into(spec, torch.float32, layout, image, range(0, 2))
     write_adapter(tmp_path / "a", rank=8, modules=("q_proj",))
+    with pytest.raises(AdapterError, match=r"q_proj of layer [01] is not of rank 4"):
+        load_layers_into(spec, torch.float32, layout, image, range(0, 2))
+    write_adapter(tmp_path / "a", rank=4, modules=("q_proj",), shape_override={"A": [4, 99]})
     with pytest.raises(AdapterError, match="no longer fits its registered shapes"):
         load_layers_into(spec, torch.float32, layout, image, range(0, 2))
     (tmp_path / "a" / "adapter_model.safetensors").write_bytes(b"\x00" * 10)
@@ -242,4 +245,45 @@ def test_a_part_refuses_a_file_replaced_while_it_loads(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(adapters.os, "stat", replaced)
     with pytest.raises(AdapterError, match="was replaced while it loaded"):
+        load_layers_into(spec, torch.float32, layout, _image(layout, spec, torch.float32), range(0, 2))
+
+
+@pytest.mark.parametrize("alpha", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_non_finite_lora_alpha_is_refused(alpha: float, tmp_path: Path) -> None:
+    """Python's JSON reads NaN and Infinity: such a scaling would turn every output of the adapter into NaN."""
+    folder = write_adapter(tmp_path / "a", config_overrides={"lora_alpha": alpha})
+    with pytest.raises(AdapterError, match="lora_alpha must be a finite number"):
+        read_spec(folder, TINY, 16)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["loose", "packed"])
+@pytest.mark.parametrize(
+    ("rank", "modules", "message"),
+    [
+        (1, ("q_proj", "v_proj"), r"[qv]_proj of layer [01] is not of rank 4"),  # would broadcast into rank 4
+        (2, ("q_proj", "v_proj"), r"[qv]_proj of layer [01] is not of rank 4"),
+        (4, ("k_proj",), r"changed since it was registered \(now has \['k_proj'\]\)"),
+    ],
+    ids=["rank-1", "rank-2", "modules"],
+)
+def test_a_whole_load_refuses_a_file_changed_since_registration(
+    packed: bool, rank: int, modules: tuple[str, ...], message: str, tmp_path: Path
+) -> None:
+    """A file rewritten after its check (a reload after the host tier dropped it) must not be served on the
+    registered spec: its weights were broadcast into the registered rank, loaded into a slot under the wrong
+    projections, or failed the engine's step when copied into a slot."""
+    layout = LoRAStacks(TINY, 1, 8, torch.float32, torch.device("cpu"), fused=True).layout if packed else None
+    spec = read_spec(write_adapter(tmp_path / "a", rank=4, modules=("q_proj", "v_proj")), TINY, 8)
+    write_adapter(tmp_path / "a", rank=rank, modules=modules, seed=1)
+    with pytest.raises(AdapterError, match=message):
+        load_adapter(spec, torch.float32, pin=False, layout=layout)
+
+
+def test_a_part_refuses_a_file_whose_rank_changed_since_registration(tmp_path: Path) -> None:
+    """A rank-1 file fits the registered rank-4 image by broadcasting: each of its rows would be copied 4 times."""
+    layout = LoRAStacks(TINY, 1, 8, torch.float32, torch.device("cpu"), fused=True).layout
+    assert layout is not None
+    spec = read_spec(write_adapter(tmp_path / "a", rank=4, modules=("q_proj",)), TINY, 8)
+    write_adapter(tmp_path / "a", rank=1, modules=("q_proj",))
+    with pytest.raises(AdapterError, match=r"q_proj of layer [01] is not of rank 4"):
         load_layers_into(spec, torch.float32, layout, _image(layout, spec, torch.float32), range(0, 2))

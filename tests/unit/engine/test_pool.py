@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 from pathlib import Path
 
@@ -136,19 +138,8 @@ def test_failed_load_is_not_retried_while_in_the_negative_cache(pool: AdapterPoo
 def test_hot_swap_serves_the_old_version_until_the_new_one_is_loaded(
     pool: AdapterPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import threading
-
-    from engine import adapter_loader as loader_module
-
     old = _loaded(pool, "x", write_adapter(tmp_path / "v1", seed=1))
-    gate = threading.Event()
-    real_load = loader_module.load_adapter
-
-    def held_load(*args, **kwargs):  # type: ignore[no-untyped-def]
-        gate.wait(10)
-        return real_load(*args, **kwargs)
-
-    monkeypatch.setattr(loader_module, "load_adapter", held_load)
+    gate = _hold_loads(monkeypatch)
     new = pool.register("x", write_adapter(tmp_path / "v2", seed=2))
     assert pool.lookup("x") is old and not old.retired  # requests arriving now still get working weights
     gate.set()
@@ -281,3 +272,105 @@ def test_a_fill_ahead_is_kept_for_its_request_until_that_leaves_the_queue(pool: 
     assert a.slot is None and b.slot is not None and c.slot is not None
     assert pool.acquire(a) is not None  # a step's own fill may still take an unacquired slot
     assert pool.acquire(b) is not None and pool.acquire(c) is None  # both slots now busy
+
+
+def _hold_loads(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make the thread loader's loads wait until the returned event is set."""
+    from engine import adapter_loader as loader_module
+
+    gate = threading.Event()
+    real_load = loader_module.load_adapter
+
+    def held_load(*args, **kwargs):  # type: ignore[no-untyped-def]
+        gate.wait(10)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(loader_module, "load_adapter", held_load)
+    return gate
+
+
+def test_registering_the_current_path_again_drops_a_replacement_still_loading(
+    pool: AdapterPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The latest registration wins: going back to v1 while v2 still loads used to leave v2 staged, and the
+    name switched to v2 once it had loaded."""
+    v1 = write_adapter(tmp_path / "v1", seed=1)
+    old = _loaded(pool, "x", v1)
+    gate = _hold_loads(monkeypatch)
+    new = pool.register("x", write_adapter(tmp_path / "v2", seed=2))
+    assert pool.register("x", v1) is old
+    gate.set()
+    assert new.settled.wait(10)
+    assert pool.lookup("x") is old and not old.retired
+    assert new.retired and new.weights is None
+
+
+def test_a_failed_load_wakes_the_engine(pool: AdapterPool, tmp_path: Path) -> None:
+    """The engine sleeps until a load ends (`on_loaded`), then starts the requests that waited for it or ends
+    them with the load's error (`LLMEngine._reap`); a failed load used to call nobody, and its requests got
+    their error only at the engine's next poll."""
+    ended = threading.Event()
+    pool.on_loaded.append(ended.set)
+    version = pool.register("a", _poison(write_adapter(tmp_path / "a"), float("nan")))
+    assert ended.wait(5)
+    assert version.state is AdapterState.FAILED
+
+
+@pytest.mark.parametrize("fill", ["acquire", "fill_ahead"])
+def test_weights_that_do_not_fit_a_slot_fail_their_adapter_not_the_step(
+    pool: AdapterPool, tmp_path: Path, fill: str
+) -> None:
+    """A file rewritten for another base model (same rank and projections) after its check loads on loose
+    stacks but cannot be copied into a slot. The error used to leave `acquire` (the engine's step) and fail
+    the step's running requests, at every step, while the adapter's own request never ended."""
+    folder = write_adapter(tmp_path / "a", seed=1)
+    version = _loaded(pool, "a", folder)
+    version.weights = None  # dropped from host memory, as the host tier does under pressure
+    write_adapter(folder, arch=dataclasses.replace(TINY, hidden_size=48), seed=2)
+    assert not pool.ready(version)
+    pool.wait_loaded(version, timeout=10)
+    deadline = time.monotonic() + 5
+    while version.weights is None and time.monotonic() < deadline:  # the done-callback may lag
+        time.sleep(0.01)
+    if fill == "acquire":
+        assert pool.acquire(version) is None
+    else:
+        assert pool.fill_ahead([version], most=1) == 0
+    failure = pool.failure(version)
+    assert failure is not None and "slot" in failure
+    assert version.state is AdapterState.FAILED and version.active == 0
+    assert not pool.ready(version)  # held in the negative cache like a failed load
+    other = _loaded(pool, "b", write_adapter(tmp_path / "b", seed=3))
+    assert pool.acquire(other) is not None  # the slots still serve other adapters
+
+
+def test_a_load_no_loader_can_take_fails_like_a_failed_load(tmp_path: Path) -> None:
+    """`submit` raises when no loader can take a load (loader processes that cannot be started again). That
+    used to leave `ready` as an exception: in the engine's loop, outside its step, or in `add_request` after
+    the request had been counted, which then never ended."""
+    from engine.adapter_loader import ThreadLoader
+    from engine.adapters import AdapterSpec
+
+    class RefusingLoader(ThreadLoader):
+        refuse = False
+
+        def submit(self, spec: AdapterSpec):  # type: ignore[no-untyped-def]
+            if self.refuse:
+                raise RuntimeError("cannot start loader processes")
+            return super().submit(spec)
+
+    stacks = LoRAStacks(TINY, slots=1, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    loader = RefusingLoader(torch.float32, None)
+    pool = AdapterPool(TINY, stacks, torch.float32, host_capacity=8, loader=loader)
+    try:
+        version = _loaded(pool, "a", write_adapter(tmp_path / "a"))
+        version.weights = None  # dropped from host memory, as the host tier does under pressure
+        loader.refuse = True
+        assert not pool.ready(version)
+        assert "cannot start loader processes" in (pool.failure(version) or "")
+        assert version.state is AdapterState.FAILED and version.settled.is_set()
+        other = pool.register("b", write_adapter(tmp_path / "b", seed=1))  # registration answers too
+        with pytest.raises(AdapterError, match="cannot start loader processes"):
+            pool.wait_loaded(other, timeout=1)
+    finally:
+        pool.close()
