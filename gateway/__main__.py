@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import runpy
 import sys
 from collections.abc import Callable, Sequence
@@ -26,6 +27,9 @@ from gateway.core import Gateway
 from gateway.errors import GatewayError
 from gateway.telemetry import setup_logging, setup_tracing
 from gateway.tenancy import TenantDirectory, hash_api_key
+
+# What `hash_api_key` produces: any other spelling (upper-case hex, other characters) would never match a key.
+_DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 def build_policy(config: Config) -> PolicyChecker:
@@ -86,8 +90,8 @@ def validate(config: Config) -> None:
     if anonymous is not None and anonymous not in {t.name for t in directory.tenants()}:
         raise ConfigError(f"auth.anonymous_tenant: {anonymous!r} is not a configured tenant")
     for i, digest in enumerate(config.auth.admin_api_keys):
-        if not (digest.startswith("sha256:") and len(digest) == 71):
-            raise ConfigError(f"auth.admin_api_keys[{i}]: must be 'sha256:' + 64 hex digits")
+        if not _DIGEST_RE.fullmatch(digest):
+            raise ConfigError(f"auth.admin_api_keys[{i}]: must be 'sha256:' + 64 lowercase hex digits")
     if config.engines.local.count == 0 and not config.engines.replicas:
         raise ConfigError("engines: no engine configured (engines.local.count is 0 and engines.replicas is empty)")
     build_policy(config)
@@ -161,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"adaptergate: configuration error: {e}", file=sys.stderr)
         return 2
+    except GatewayError as e:  # e.g. an engine that exits or never gets ready while the gateway starts
+        print(f"adaptergate: {e.message}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

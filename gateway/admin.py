@@ -114,7 +114,9 @@ def _adapters_of(info: dict[str, object]) -> dict[str, str]:
 async def _read_manifests(request: web.Request) -> list[AdapterInstance]:
     raw = await request.read()
     if request.content_type in _YAML_TYPES:
-        return parse_manifests(raw.decode("utf-8", errors="replace"))
+        # PyYAML is pure Python: a body near the size limit takes seconds to parse, which must not stall every
+        # other request on the event loop.
+        return await asyncio.to_thread(parse_manifests, raw.decode("utf-8", errors="replace"))
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:

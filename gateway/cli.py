@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import http.client
 import json
 import os
 import sys
@@ -47,6 +48,11 @@ class AdminClient:
         if data is not None:
             request.add_header("Content-Type", "application/json")
         if self._api_key:
+            if not _latin1(self._api_key):
+                # http.client sends header values as Latin-1 and would raise UnicodeEncodeError mid-request.
+                raise CliError(
+                    "the admin API key (--api-key / ADAPTERGATE_ADMIN_KEY) has characters no HTTP header carries"
+                )
             request.add_header("Authorization", f"Bearer {self._api_key}")
         try:
             with urllib.request.urlopen(request, timeout=self._timeout_s) as response:
@@ -56,6 +62,11 @@ class AdminClient:
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise CliError(f"cannot reach {self._server}: {reason}") from None
+        except http.client.HTTPException as exc:
+            # Something listens there but does not speak HTTP/1.1, e.g. an engine's gRPC port.
+            raise CliError(
+                f"{self._server} did not answer in HTTP/1.1 ({type(exc).__name__}): is it the gateway?"
+            ) from None
         if not raw:
             return {}
         try:
@@ -148,15 +159,17 @@ def _apply(client: AdminClient, args: argparse.Namespace) -> None:
 
 
 def _load_manifests(filename: str) -> list[AdapterInstance]:
-    if filename == "-":
-        text, folder = sys.stdin.read(), Path.cwd()
-    else:
-        path = Path(filename)
-        try:
+    try:
+        if filename == "-":
+            text, folder = sys.stdin.read(), Path.cwd()
+        else:
+            path = Path(filename)
             text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise CliError(f"{filename}: {exc.strerror or exc}") from None
-        folder = path.resolve().parent
+            folder = path.resolve().parent
+    except OSError as exc:
+        raise CliError(f"{filename}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise CliError(f"{filename}: not UTF-8 text (byte {exc.start})") from None
     try:
         instances = parse_manifests(text)
     except InvalidRequest as exc:
@@ -350,6 +363,14 @@ def _name_of(item: dict[str, Any]) -> str:
 
 def _number(value: object) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _latin1(text: str) -> bool:
+    try:
+        text.encode("latin-1")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _quote(name: str) -> str:

@@ -9,6 +9,7 @@ Every problem is reported as `ConfigError` naming the dotted key at fault.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -23,6 +24,9 @@ ENV_FILE = "ADAPTERGATE_CONFIG"
 ENV_PREFIX = "ADAPTERGATE__"
 # The development key of the embedded default tenant; printed at start whenever it is active.
 DEV_API_KEY = "sk-adaptergate-dev"
+# gRPC deadlines are int64 nanoseconds of wall-clock time: a timeout of about 7e9 s or more overflows into a
+# deadline already passed, so every engine call would fail at once.
+_MAX_TIMEOUT_S = 1e9
 
 
 class ConfigError(ValueError):
@@ -39,7 +43,7 @@ class ServerConfig:
     port: int = field(default=8080, metadata={"min": 0, "max": 65535})
     max_body_bytes: int = field(default=1_048_576, metadata={"min": 1024})
     # Default deadline of a request (queue wait + generation); clients may ask for less.
-    request_timeout_s: float = field(default=600.0, metadata={"min": 0.001})
+    request_timeout_s: float = field(default=600.0, metadata={"min": 0.001, "max": _MAX_TIMEOUT_S})
     drain_timeout_s: float = field(default=30.0, metadata={"min": 0.0})
 
 
@@ -83,7 +87,7 @@ class EnginesConfig:
     # Requests this gateway keeps running on one replica at a time; the rest wait in the fair queue.
     max_concurrency: int = field(default=32, metadata={"min": 1})
     poll_interval_s: float = field(default=1.0, metadata={"min": 0.01})
-    rpc_timeout_s: float = field(default=5.0, metadata={"min": 0.01})
+    rpc_timeout_s: float = field(default=5.0, metadata={"min": 0.01, "max": _MAX_TIMEOUT_S})
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,13 +147,18 @@ def load_config(path: str | None = None, environ: Mapping[str, str] | None = Non
     data: dict[str, Any] = {}
     if path:
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
         except OSError as e:
             raise ConfigError(f"config file {path}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path}: not UTF-8 text (byte {e.start})") from None
         try:
             loaded = yaml.safe_load(text)
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, ValueError) as e:
+            # ValueError: PyYAML converts integers with int(), which refuses more than 4300 digits.
             raise ConfigError(f"config file {path}: invalid YAML: {e}") from None
+        except RecursionError:
+            raise ConfigError(f"config file {path}: invalid YAML: nested too deeply") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path}: the top level must be a mapping")
         data = loaded or {}
@@ -179,7 +188,7 @@ def _apply_override(data: dict[str, Any], name: str, raw: str) -> None:
         raise ConfigError(f"environment {name}: empty key segment")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, RecursionError):
         value = raw
     node = data
     for depth, key in enumerate(keys[:-1]):
@@ -194,7 +203,8 @@ def _build(cls: type[Any], data: object, where: str) -> Any:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where or 'config'}: expected a mapping, got {_describe(data)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    # key=str: YAML keys may be numbers or null besides strings, which do not compare with each other.
+    unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         key = f"{where}.{unknown[0]}" if where else str(unknown[0])
         raise ConfigError(f"{key}: unknown key (known: {', '.join(fields)})")
@@ -227,7 +237,14 @@ def _convert(hint: Any, value: object, key: str) -> Any:
         raise ConfigError(f"{key}: expected an integer, got {_describe(value)}")
     if hint is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an integer beyond float's range
+                number = math.inf
+            # NaN would pass every bound check: comparisons with it are false.
+            if math.isfinite(number):
+                return number
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
         raise ConfigError(f"{key}: expected a number, got {_describe(value)}")
     if hint is str:
         if isinstance(value, str):

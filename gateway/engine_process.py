@@ -59,14 +59,18 @@ class LocalEngine:
         ready.unlink(missing_ok=True)
         argv = [*self.command, "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready)]
         log.info("starting engine", extra={"replica": self.name, "argv": argv})
-        self._process = process = await asyncio.create_subprocess_exec(*argv, start_new_session=True)
+        try:
+            self._process = process = await asyncio.create_subprocess_exec(*argv, start_new_session=True)
+        except OSError as e:  # engines.local.command names no runnable program
+            raise Unavailable(f"engine {self.name}: cannot run {argv[0]!r}: {e.strerror or e}") from None
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self._start_timeout_s
         while not ready.exists():
             if process.returncode is not None:
                 raise Unavailable(f"engine {self.name} exited with status {process.returncode} while starting")
             if loop.time() > give_up:
-                await self.stop()
+                # Not `stop()`: that would end supervision too, and a restart that was slow once would be the last.
+                await self._terminate(process)
                 raise Unavailable(f"engine {self.name} not ready after {self._start_timeout_s:.0f}s")
             await asyncio.sleep(_READY_POLL_S)
         info = json.loads(ready.read_text())
@@ -97,15 +101,19 @@ class LocalEngine:
             self._supervisor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._supervisor
-        process = self._process
-        if process is not None and process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(process.wait(), timeout_s)
-            except TimeoutError:
-                log.warning("engine did not stop in %.0fs; killing it", timeout_s, extra={"replica": self.name})
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                await process.wait()
+        if self._process is not None:
+            await self._terminate(self._process, timeout_s)
         self._dir.cleanup()
+
+    async def _terminate(self, process: asyncio.subprocess.Process, timeout_s: float = 15.0) -> None:
+        if process.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), timeout_s)
+        except TimeoutError:
+            log.warning("engine did not stop in %.0fs; killing it", timeout_s, extra={"replica": self.name})
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()

@@ -132,8 +132,12 @@ def parse_manifests(text: str) -> list[AdapterInstance]:
     """
     try:
         documents = list(yaml.safe_load_all(text))
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, ValueError) as exc:
+        # ValueError: PyYAML converts integers with int(), which refuses more than 4300 digits.
         raise InvalidRequest(f"not valid YAML: {exc}") from None
+    except RecursionError:
+        # PyYAML composes nested collections recursively: a body of a few thousand '[' exhausts the stack.
+        raise InvalidRequest("not valid YAML: nested too deeply") from None
     out: list[AdapterInstance] = []
     for number, document in enumerate(documents, start=1):
         if document is None:
@@ -154,17 +158,24 @@ def _versions(value: object) -> tuple[AdapterVersion, ...]:
     if not isinstance(value, list) or not value:
         raise InvalidRequest("spec.versions: must be a non-empty list")
     versions: list[AdapterVersion] = []
+    # A set, not a scan of `versions`: ~20k versions fit in one request body, and a quadratic check of them
+    # held the event loop (every request of every tenant) for seconds.
+    names: set[str] = set()
     for index, item in enumerate(value):
         where = f"spec.versions[{index}]"
         fields = _mapping(item, where, _VERSION_FIELDS)
         name = fields.get("name")
         if not isinstance(name, str) or not _VERSION_RE.fullmatch(name):
             raise InvalidRequest(f"{where}.name: must be 1-63 letters, digits, '.', '_' or '-'")
-        if any(v.name == name for v in versions):
+        if name in names:
             raise InvalidRequest(f"{where}.name: duplicate version {name!r}")
+        names.add(name)
         source = fields.get("source")
         if not isinstance(source, str) or not source:
             raise InvalidRequest(f"{where}.source: required, a non-empty string")
+        if not _encodable(source):
+            # JSON and YAML escapes can spell lone surrogates; the engine's wire format only carries UTF-8.
+            raise InvalidRequest(f"{where}.source: must be valid Unicode text (no lone surrogates)")
         weight = fields.get("weight")
         if isinstance(weight, bool) or not isinstance(weight, int | float) or not _finite(weight) or weight < 0:
             raise InvalidRequest(f"{where}.weight: required, a non-negative number")
@@ -179,6 +190,14 @@ def _finite(value: float) -> bool:
         return math.isfinite(value)
     except OverflowError:  # an integer beyond float range; every split computed from it would overflow too
         return False
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _mapping(value: object, where: str, allowed: frozenset[str]) -> Mapping[str, Any]:

@@ -13,8 +13,9 @@ import importlib.resources
 import logging
 import os
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 from gateway.api import PolicyChecker, ProtocolServer
 from gateway.config import Config
@@ -29,6 +30,7 @@ from gateway.tenancy import TenantDirectory
 log = logging.getLogger("adaptergate.server")
 
 ProtocolFactory = Callable[[Gateway], Sequence[ProtocolServer]]
+T = TypeVar("T")
 
 
 async def run(
@@ -46,7 +48,11 @@ async def run(
         loop.add_signal_handler(sig, stop.set)
     try:
         async with contextlib.AsyncExitStack() as stack:
-            locals_ = await _start_local_engines(config, stack)
+            # Engines may take minutes to load their model: SIGTERM must not wait for them to be ready first.
+            locals_ = await _unless_stopped(_start_local_engines(config, stack), stop)
+            if locals_ is None:
+                log.info("stopped while engines were starting")
+                return 0
             registry = _open_registry(config)
             stack.callback(registry.close)
             pool = EnginePool(
@@ -96,6 +102,21 @@ async def _start_local_engines(config: Config, stack: contextlib.AsyncExitStack)
         stack.push_async_callback(engine.stop)
     addresses = await asyncio.gather(*(engine.start() for engine in engines))
     return list(zip(engines, addresses, strict=True))
+
+
+async def _unless_stopped(work: Coroutine[Any, Any, T], stop: asyncio.Event) -> T | None:
+    """The result of `work`, or None once `stop` is set first (`work` is then cancelled)."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return None if task.cancelled() else task.result()
 
 
 def _repoint(pool: EnginePool, replica: Replica) -> Callable[[str], None]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import yaml
 from aiohttp import web
@@ -289,3 +290,37 @@ async def test_apply_folder_of_example_manifests(admin: FakeAdmin) -> None:
     demo_adapters = EXAMPLES.parents[1] / "engine" / "demo_adapters"
     sources = {v["source"] for m in admin.adapters.values() for v in m["spec"]["versions"]}
     assert sources == {str(demo_adapters / name) for name in EXAMPLE_NAMES}
+
+
+async def test_unreadable_manifests_fail_with_a_message(
+    admin: FakeAdmin, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    binary = tmp_path / "adapters.yaml"
+    binary.write_bytes(b"\xff\xfe" + MANIFEST.encode("utf-16-le"))
+    assert await _run(admin, "apply", "-f", str(binary)) == 1
+    assert f"{binary}: not UTF-8 text" in capsys.readouterr().err
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("spec: " + "[" * 5000 + "]" * 5000)
+    assert await _run(admin, "apply", "-f", str(nested)) == 1
+    assert f"{nested}: not valid YAML: nested too deeply" in capsys.readouterr().err
+    assert admin.requests == []
+
+
+async def test_server_that_does_not_speak_http(capsys: pytest.CaptureFixture[str]) -> None:
+    # The easy mistake: pointing adapterctl at an engine's gRPC port instead of the gateway's.
+    engine = grpc.aio.server()
+    port = engine.add_insecure_port("127.0.0.1:0")
+    await engine.start()
+    try:
+        code = await asyncio.to_thread(cli.main, ["--server", f"http://127.0.0.1:{port}", "get"])
+    finally:
+        await engine.stop(None)
+    assert code == 1
+    assert f"error: http://127.0.0.1:{port} did not answer in HTTP/1.1" in capsys.readouterr().err
+
+
+async def test_api_key_that_no_header_can_carry(admin: FakeAdmin, capsys: pytest.CaptureFixture[str]) -> None:
+    code = await asyncio.to_thread(cli.main, ["--server", admin.url, "--api-key", "\u201csecret\u201d", "get"])
+    assert code == 1
+    assert "admin API key" in capsys.readouterr().err
+    assert admin.requests == []

@@ -107,3 +107,48 @@ def test_config_command_reports_errors(capsys: pytest.CaptureFixture[str], monke
     monkeypatch.setenv("ADAPTERGATE__SERVER__NOPE", "1")
     assert main(["config"]) == 2
     assert "server.nope: unknown key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"server": {1: "x", "a": "y"}}, "server.1: unknown key"),
+        ({None: 1, "sever": {}}, "None: unknown key"),
+        ({"server": {"request_timeout_s": 10**400}}, "server.request_timeout_s: expected a finite number"),
+        ({"server": {"drain_timeout_s": float("nan")}}, "server.drain_timeout_s: expected a finite number"),
+        ({"engines": {"poll_interval_s": float("inf")}}, "engines.poll_interval_s: expected a finite number"),
+        # Beyond what a gRPC deadline can hold: every engine call would fail at once with DEADLINE_EXCEEDED.
+        ({"server": {"request_timeout_s": 1e10}}, "server.request_timeout_s: must be at most"),
+        ({"engines": {"rpc_timeout_s": 1e12}}, "engines.rpc_timeout_s: must be at most"),
+    ],
+)
+def test_odd_keys_and_numbers_name_the_key(data: dict[object, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        from_dict(data)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"\xff\xfeserver: {port: 1}\n", "not UTF-8 text"),
+        (b"server: " + b"[" * 5000 + b"]" * 5000, "invalid YAML: nested too deeply"),
+        (b"server: {port: " + b"9" * 5000 + b"}\n", "invalid YAML"),
+    ],
+)
+def test_unreadable_config_files_are_config_errors(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=re.escape(f"config file {path}: {message}")):
+        load_config(str(path), environ={})
+
+
+def test_env_override_with_a_huge_integer_names_the_key() -> None:
+    with pytest.raises(ConfigError, match=re.escape("server.port: expected an integer")):
+        load_config(None, environ={"ADAPTERGATE__SERVER__PORT": "9" * 5000})
+
+
+@pytest.mark.parametrize("digest", ["sha256:" + "AB" * 32, "sha256:" + "é" * 64, "sha256:" + "g" * 64])
+def test_admin_key_digests_must_be_what_hash_api_key_makes(digest: str) -> None:
+    # Upper-case hex would never match a presented key; non-ASCII crashed the start when the admin API was built.
+    with pytest.raises(ConfigError, match=re.escape("auth.admin_api_keys[0]: must be 'sha256:' + 64 lowercase hex")):
+        validate(from_dict({"auth": {"admin_api_keys": [digest]}}))

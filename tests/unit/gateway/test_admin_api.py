@@ -1,0 +1,125 @@
+"""The admin API behind the real REST server: bad manifests get a 400 naming the problem, never a 500."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from gateway.admin import AdminApi
+from gateway.core import Gateway
+from gateway.engine_client import EnginePool
+from gateway.queue import QueueLimits
+from gateway.registry import Registry
+from gateway.tenancy import TenantDirectory, hash_api_key
+from policy.static import StaticPolicy
+from protocols.rest import RestServer
+
+ADMIN_KEY = "admin-secret"
+AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+def _manifest(source: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "adapter.ai/v1",
+        "kind": "AdapterInstance",
+        "metadata": {"name": "pirate"},
+        "spec": {"baseModel": "smol", "versions": [{"name": "v1", "source": source, "weight": 1}]},
+    }
+
+
+@pytest.fixture
+async def admin() -> AsyncIterator[tuple[str, Registry]]:
+    registry = Registry.open(":memory:")
+    pool = EnginePool([])
+    # A replica that counts as healthy, so applies are validated against it as in a running gateway; nothing
+    # listens at its address, and no test here gets as far as calling it.
+    pool.add_replica("127.0.0.1:1").healthy = True
+    gateway = Gateway(
+        tenants=TenantDirectory.from_config([{"name": "t1", "plain_api_keys": ["user-key"]}]),
+        policy=StaticPolicy(),
+        registry=registry,
+        pool=pool,
+        limits=QueueLimits(),
+    )
+    server = RestServer(gateway, port=0, extra_routes=AdminApi(gateway, [hash_api_key(ADMIN_KEY)]).routes())
+    async with server:
+        yield f"http://127.0.0.1:{server.port}", registry
+    await pool.__aexit__(None, None, None)
+    registry.close()
+
+
+async def _post(url: str, data: bytes, content_type: str) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as session:
+        headers = {**AUTH, "Content-Type": content_type}
+        async with session.post(f"{url}/admin/adapters", data=data, headers=headers) as response:
+            return response.status, await response.json()
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("metadata: " + "[" * 20_000 + "]" * 20_000, "not valid YAML: nested too deeply"),
+        # PyYAML converts integers with int(), which refuses more than 4300 digits.
+        ("spec: {priority: " + "9" * 5000 + "}", "not valid YAML: Exceeds the limit"),
+    ],
+)
+async def test_yaml_body_pyyaml_cannot_load_is_a_400(admin: tuple[str, Registry], body: str, message: str) -> None:
+    url, registry = admin
+    status, reply = await _post(url, body.encode(), "application/yaml")
+    assert status == 400
+    assert reply["error"]["message"].startswith(message)
+    assert registry.list() == []
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/yaml"])
+async def test_source_with_a_lone_surrogate_is_a_400(admin: tuple[str, Registry], content_type: str) -> None:
+    url, registry = admin
+    # JSON's \ud800 escape (also valid in a YAML double-quoted string) decodes to a lone surrogate.
+    body = json.dumps({"manifests": [_manifest("/adapters/\ud800")]}).encode()
+    if content_type == "application/yaml":
+        body = json.dumps(_manifest("/adapters/\ud800")).encode()
+    status, reply = await _post(url, body, content_type)
+    assert status == 400
+    assert "spec.versions[0].source" in reply["error"]["message"]
+    assert registry.list() == []
+
+
+async def test_manifest_with_many_versions_is_checked_quickly(admin: tuple[str, Registry]) -> None:
+    # About 1 MB of versions, the last one a duplicate: the check runs on the event loop that serves every
+    # request, so it must not take time quadratic in the number of versions (it took ~15 s).
+    url, registry = admin
+    manifest = _manifest("/adapters/v")
+    versions = [{"name": f"v{i}", "source": "/a", "weight": 1} for i in range(20_000)]
+    manifest["spec"]["versions"] = [*versions, versions[0]]
+    body = json.dumps({"manifests": [manifest]}).encode()
+    started = time.monotonic()
+    status, reply = await _post(url, body, "application/json")
+    assert status == 400
+    assert "spec.versions[20000].name: duplicate version 'v0'" in reply["error"]["message"]
+    assert time.monotonic() - started < 3
+    assert registry.list() == []
+
+
+async def test_large_yaml_body_does_not_stall_the_event_loop(admin: tuple[str, Registry]) -> None:
+    url, registry = admin
+    document = "apiVersion: adapter.ai/v1\nkind: AdapterInstance\nmetadata: {{name: a{}}}\n"
+    document += "spec: {{baseModel: b, versions: [{{name: v, source: /a, weight: 1}}]}}\n"
+    # Thousands of documents (seconds of PyYAML), the last a duplicate so that nothing is applied.
+    body = "---\n".join(document.format(i) for i in [*range(3000), 0]).encode()
+    posting = asyncio.ensure_future(_post(url, body, "application/yaml"))
+    # The server runs on this loop: while it parses, every other request (and this ticker) waits for it.
+    longest_tick = 0.0
+    while not posting.done():
+        started = time.monotonic()
+        await asyncio.sleep(0.01)
+        longest_tick = max(longest_tick, time.monotonic() - started)
+    status, reply = await posting
+    assert (status, reply["error"]["message"]) == (400, "document 3001: adapter 'a0' appears twice")
+    assert longest_tick < 0.5
+    assert registry.list() == []
