@@ -113,7 +113,8 @@ def _parse_entry(index: int, entry: object) -> tuple[Tenant, list[str]]:
     where = f"tenants[{index}]"
     if not isinstance(entry, Mapping):
         raise InvalidRequest(f"{where}: must be a mapping")
-    unknown = sorted(set(entry) - _ENTRY_FIELDS)
+    # key=str: YAML keys may be numbers or null besides strings, which do not compare with each other.
+    unknown = sorted(set(entry) - _ENTRY_FIELDS, key=str)
     if unknown:
         raise InvalidRequest(f"{where}.{unknown[0]}: unknown field")
     name = entry.get("name")
@@ -132,7 +133,7 @@ def _parse_entry(index: int, entry: object) -> tuple[Tenant, list[str]]:
         digests.append(hash_api_key(plain))
 
     weight = entry.get("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not _finite(weight):
         raise InvalidRequest(f"{where}.weight: must be a positive number")
     if weight <= 0:
         raise InvalidRequest(f"{where}.weight: must be a positive number")
@@ -143,7 +144,7 @@ def _parse_entry(index: int, entry: object) -> tuple[Tenant, list[str]]:
     limits = entry.get("limits", {})
     if not isinstance(limits, Mapping):
         raise InvalidRequest(f"{where}.limits: must be a mapping")
-    unknown = sorted(set(limits) - _LIMIT_FIELDS)
+    unknown = sorted(set(limits) - _LIMIT_FIELDS, key=str)
     if unknown:
         raise InvalidRequest(f"{where}.limits.{unknown[0]}: unknown field")
     bounds = {"max_queue_depth": 64, "max_tokens_in_flight": 32768}
@@ -169,3 +170,10 @@ def _string_list(value: object, where: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise InvalidRequest(f"{where}: must be a list of strings")
     return list(value)
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer past float's range: a traceback at start-up, not a config error
+        return False

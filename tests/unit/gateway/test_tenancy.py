@@ -100,6 +100,10 @@ def test_may_use() -> None:
         ({"name": "a", "limits": [1]}, "limits"),
         ({"name": "a", "allowed_adapters": "pirate"}, "allowed_adapters"),
         ({"name": "a", "wieght": 2}, "wieght"),
+        # Once a TypeError (unknown keys of mixed types do not sort) and an OverflowError: tracebacks at start-up.
+        ({"name": "a", 1: "x", "zz": 2}, "tenants[0].1"),
+        ({"name": "a", "limits": {None: 1, "x": 2}}, "limits.None"),
+        ({"name": "a", "weight": 10**400}, "weight"),
     ],
 )
 def test_from_config_names_the_bad_field(entry: dict[str, Any], field: str) -> None:
