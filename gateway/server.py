@@ -13,12 +13,13 @@ import importlib.resources
 import logging
 import os
 import signal
+import sqlite3
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from gateway.api import PolicyChecker, ProtocolServer
-from gateway.config import Config
+from gateway.config import Config, ConfigError
 from gateway.core import Gateway
 from gateway.engine_client import EnginePool, Replica
 from gateway.engine_process import LocalEngine, engine_command
@@ -125,9 +126,12 @@ def _repoint(pool: EnginePool, replica: Replica) -> Callable[[str], None]:
 
 def _open_registry(config: Config) -> Registry:
     path = config.registry.path
-    if path != ":memory:":
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-    registry = Registry.open(path)
+    try:
+        if path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        registry = Registry.open(path)
+    except (OSError, sqlite3.Error) as e:  # a folder there, no write access, a file that is not SQLite
+        raise ConfigError(f"registry.path: cannot open {path!r} as the adapter registry: {e}") from None
     if config.registry.seed_demo_adapters and not registry.list():
         for instance in demo_adapters(config.model.name):
             registry.apply(instance)

@@ -76,3 +76,19 @@ def test_engine_that_cannot_start_ends_serve_with_a_message(
     path.write_text(yaml.safe_dump({"engines": {"local": {"command": command}}, "registry": {"path": ":memory:"}}))
     assert gateway_main.main(["serve", "--config", str(path)]) == 1
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["folder", "not-sqlite"])
+def test_a_registry_path_that_cannot_be_opened_is_a_config_error(tmp_path: Path, kind: str) -> None:
+    # Once a sqlite3 traceback after the engines had started.
+    from gateway.config import ConfigError
+    from gateway.server import _open_registry
+
+    path = tmp_path / "registry.db"
+    if kind == "folder":
+        path.mkdir()
+    else:
+        path.write_text("this is not a database\n" * 100)
+    config = from_dict({"registry": {"path": str(path), "seed_demo_adapters": False}})
+    with pytest.raises(ConfigError, match=r"registry\.path: cannot open"):
+        _open_registry(config)
