@@ -88,7 +88,10 @@ def _truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     (the smallest prefix whose mass reaches top_p, always at least the top token): `reference_probs`,
     for many rows at once."""
     device, vocab = logits.device, logits.shape[-1]
-    scores = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    # Scores at most 0: over a tiny temperature (float32 goes down to 1e-45) logits overflowed to inf, and
+    # softmax made the whole row NaN. Shifting by the row's maximum leaves softmax and the cuts unchanged.
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    scores = shifted / torch.tensor([p.temperature for p in params], device=device)[:, None]
     cut = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(cut):
         k = torch.tensor(cut, device=device)[:, None]

@@ -124,7 +124,7 @@ class EngineService(pb_grpc.EngineServicer):
         return SamplingParams(
             max_tokens=min(wanted, room),
             temperature=s.temperature,
-            top_p=s.top_p if s.top_p > 0 else 1.0,
+            top_p=1.0 if s.top_p == 0 else s.top_p,  # 0 means off; a negative or NaN one is refused
             top_k=s.top_k,
             seed=s.seed if s.HasField("seed") else None,
             stop=tuple(s.stop),

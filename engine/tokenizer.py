@@ -6,6 +6,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from jinja2 import TemplateError
 from tokenizers.decoders import DecodeStream
 
 from engine.loader import ModelSource, cache_dir
@@ -44,14 +45,18 @@ class Tokenizer:
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        """Token ids of `messages` rendered with the model's chat template, ready for the reply."""
+        """Token ids of `messages` rendered with the model's chat template, ready for the reply; raises
+        ValueError for a chat the template cannot render."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; send a plain prompt")
-        rendered = self._tok.apply_chat_template(
-            [{"role": role, "content": content} for role, content in messages],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
+        try:
+            rendered = self._tok.apply_chat_template(
+                [{"role": role, "content": content} for role, content in messages],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+        except TemplateError as exc:  # the template's own refusal (`raise_exception`), e.g. roles out of turn
+            raise ValueError(f"the model's chat template refused these messages: {exc}") from exc
         return self.encode(str(rendered))
 
     @property

@@ -97,6 +97,22 @@ def test_generate_streams_tokens_then_finish_and_usage(engine_process: tuple[pb_
             grpc.StatusCode.INVALID_ARGUMENT,
             "top_p",
         ),
+        # Only 0 means "off": a negative or NaN top_p was taken as off too, and sampled from the whole vocabulary.
+        (
+            pb.GenerateRequest(request_id="e6", prompt="hi", sampling=pb.SamplingParams(top_p=-0.5)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "top_p",
+        ),
+        (
+            pb.GenerateRequest(request_id="e7", prompt="hi", sampling=pb.SamplingParams(top_p=float("nan"))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "top_p",
+        ),
+        (
+            pb.GenerateRequest(request_id="e8", prompt="hi", sampling=pb.SamplingParams(temperature=float("nan"))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "temperature",
+        ),
     ],
 )
 def test_bad_requests_get_precise_codes(

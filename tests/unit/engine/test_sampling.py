@@ -135,3 +135,13 @@ def test_a_step_reads_its_tokens_back_once(monkeypatch: pytest.MonkeyPatch) -> N
     params += [SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, temperature=0.8, top_p=0.9)]
     tokens = sample(torch.randn(8, 100), params, [make_generator(p, CPU) for p in params])
     assert len(tokens) == 8 and reads == ["tolist"]
+
+
+def test_a_tiny_temperature_draws_the_top_token() -> None:
+    """Logits over a temperature near float32's smallest value overflowed to inf, softmax turned them into
+    NaN, and every draw fell past the end: the vocabulary's last token, whatever the logits."""
+    logits = _logits().repeat(2, 1) * 10
+    for temperature in (1e-3, 1e-40):
+        p = SamplingParams(max_tokens=1, temperature=temperature, seed=0)
+        p.validate()
+        assert sample(logits, [p, p], [make_generator(p, CPU), None]) == [1, 1]

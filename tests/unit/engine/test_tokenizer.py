@@ -52,3 +52,20 @@ def test_a_token_does_not_decode_the_whole_completion_again(
     for t in ids:
         decoder.push(t)
     assert decoder.text == TEXT
+
+
+# Mistral's and Llama 2's templates refuse chats whose roles do not alternate, like this one.
+STRICT_TEMPLATE = (
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{{ m['content'] }}{% endfor %}"
+)
+
+
+def test_a_chat_the_template_refuses_is_a_value_error(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The template's refusal came out as jinja's TemplateError: the server, which turns ValueError into
+    INVALID_ARGUMENT, failed the call as UNKNOWN with no reason a client could act on."""
+    monkeypatch.setattr(tokenizer._tok, "chat_template", STRICT_TEMPLATE)
+    assert tokenizer.encode_chat([("user", "a"), ("assistant", "b"), ("user", "c")])
+    with pytest.raises(ValueError, match="roles must alternate"):
+        tokenizer.encode_chat([("user", "a"), ("user", "b")])
