@@ -140,6 +140,8 @@ class AdapterPool:
         spec = self._loader.check(Path(path), self._arch, self._stacks.max_rank)
         version = AdapterVersion(name=name, spec=spec, pinned=pinned)
         with self._lock:
+            if pinned:
+                self._check_pin_room(name)
             old = self._by_name.get(name)
             # The latest registration wins, the current path's too: a replacement still loading must not
             # take the name over once it has loaded.
@@ -157,6 +159,16 @@ class AdapterPool:
                     self._retire(old)
             self._start_load(version)
         return version
+
+    def _check_pin_room(self, name: str) -> None:
+        # Pinned adapters are never evicted: were every slot to hold one, requests for any other adapter would
+        # wait for a slot forever. One slot always stays for the unpinned.
+        others = {n for table in (self._by_name, self._staged) for n, v in table.items() if v.pinned and n != name}
+        if len(others) >= self._stacks.slots - 1:
+            raise AdapterError(
+                f"cannot pin {name!r}: {len(others)} adapters are pinned already and one of the engine's "
+                f"{self._stacks.slots} LoRA slots stays for unpinned adapters (raise --lora-slots, or unpin one)"
+            )
 
     def unregister(self, name: str) -> bool:
         with self._lock:

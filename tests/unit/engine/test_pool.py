@@ -83,6 +83,21 @@ def test_busy_and_pinned_adapters_are_never_evicted(pool: AdapterPool, tmp_path:
     assert pool.acquire(c) is None
 
 
+def test_pins_leave_a_slot_for_unpinned_adapters(pool: AdapterPool, tmp_path: Path) -> None:
+    # Pins once could take every slot: a request for any other adapter then waited for a slot forever, and the
+    # engine's loop spun on it.
+    a = _loaded(pool, "a", write_adapter(tmp_path / "a"), pin=True)
+    with pytest.raises(AdapterError, match=r"cannot pin 'b'.*one of the engine's 2 LoRA slots"):
+        pool.register("b", write_adapter(tmp_path / "b", seed=1), pinned=True)
+    assert pool.lookup("b") is None
+    b = _loaded(pool, "b", write_adapter(tmp_path / "b", seed=1))  # unpinned: fine
+    assert pool.acquire(a) is not None
+    pool.release(a, tokens=1)
+    assert pool.acquire(b) is not None  # the slot the pin left free
+    again = _loaded(pool, "a", write_adapter(tmp_path / "a2", seed=3), pin=True)  # a new version of a pinned name
+    assert again.pinned and pool.lookup("a") is again
+
+
 def test_hot_swap_keeps_old_version_until_its_requests_finish(pool: AdapterPool, tmp_path: Path) -> None:
     old = _loaded(pool, "x", write_adapter(tmp_path / "v1", seed=1))
     slot = pool.acquire(old)
