@@ -357,24 +357,42 @@ class LLMEngine:
         self._wakeup.set()
 
     def _admit(self, seq: Sequence) -> None:
+        # Under the lock with the count it moves from: `add_request` reads both to bound the waiting requests,
+        # and a list being sorted reads as empty.
         with self._lock:
             self._pending -= 1
-        self.scheduler.add(seq)
+            self.scheduler.add(seq)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._drain_commands()
-            self._reap()
-            if not self.scheduler.has_work():
-                self._wakeup.wait(timeout=0.5)
-                self._wakeup.clear()
+            try:
+                self._drain_commands()
+                self._reap()
+                if not self.scheduler.has_work():
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+                    continue
+            except Exception as exc:  # outside a step too: the thread must live on, or every request would hang
+                log.exception("engine loop failed")
+                self._fail_all(f"engine loop failed: {exc!r}", list(self.scheduler.waiting))
                 continue
             try:
                 self.step()
             except Exception as exc:  # a bug must fail the requests in flight, not the process
                 log.exception("engine step failed")
-                for seq in list(self.scheduler.running):
-                    self._finish(seq, "error", error=f"engine step failed: {exc!r}")
+                self._fail_all(f"engine step failed: {exc!r}")
+
+    def _fail_all(self, error: str, also: list[Sequence] | None = None) -> None:
+        """End the running requests (and `also`) with `error`; a sink that raises cannot stop the others."""
+        for seq in list(self.scheduler.running) + (also or []):
+            try:
+                self._finish(seq, "error", error=error)
+            except Exception:
+                log.exception("could not end request %s", seq.request_id)
+                if seq.status is not SeqStatus.FINISHED:
+                    self.scheduler.finish(seq)
+                with self._lock:
+                    self._live.pop(seq.request_id, None)
 
     def _drain_commands(self) -> None:
         while True:

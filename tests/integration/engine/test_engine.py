@@ -72,6 +72,44 @@ def test_abort_ends_the_request_promptly(engine: LLMEngine) -> None:
     assert not engine.abort("abort-me")
 
 
+def test_the_engine_loop_outlives_a_failure_outside_a_step(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Only the step was guarded: an exception in the loop around it ended the engine thread, and every request
+    # from then on waited forever.
+    failed = threading.Event()
+    real_reap = engine._reap
+
+    def reap_that_fails_once() -> None:
+        if not failed.is_set():
+            failed.set()
+            raise RuntimeError("injected")
+        real_reap()
+
+    monkeypatch.setattr(engine, "_reap", reap_that_fails_once)
+    first = run(engine, "loop-1", chat(engine, "Hi"), SamplingParams(max_tokens=4, ignore_eos=True))
+    assert first.wait(timeout=20).finish_reason in ("error", "length")  # failed if it was waiting then
+    assert failed.is_set()
+    second = run(engine, "loop-2", chat(engine, "Hi"), SamplingParams(max_tokens=4, ignore_eos=True))
+    assert second.wait(timeout=20).finish_reason == "length"
+
+
+def test_waiting_requests_are_counted_while_they_join_the_queue(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `add_request` bounds the waiting requests by the queue's length plus those on their way to it, under the
+    # engine's lock; the hand-over from one count to the other once ran outside it (and a list being sorted
+    # reads as empty), so more than `max_waiting` could be let in.
+    held: list[bool] = []
+    real_add = engine.scheduler.add
+
+    def add(seq: object) -> None:
+        held.append(engine._lock.locked())
+        real_add(seq)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.scheduler, "add", add)
+    assert run(engine, "count-1", chat(engine, "Hi"), SamplingParams(max_tokens=2)).wait(timeout=20)
+    assert held == [True]
+
+
 def test_bad_requests_are_refused_with_reasons(engine: LLMEngine) -> None:
     with pytest.raises(EngineError) as unknown:
         run(engine, "u", [1, 2, 3], GREEDY, adapter="no-such-adapter")
