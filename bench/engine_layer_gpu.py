@@ -23,7 +23,8 @@ from engine_gpu import BATCH, DEV, DTYPE, KV_LEN, RANK, SLOTS, capture, median_u
 
 from engine.config import ModelArch
 from engine.kv_cache import KVCache
-from engine.lora import AdapterWeights, LoRABatch, LoRAStacks
+from engine.lora import AdapterWeights, LoRAStacks
+from engine.lora_batch import LoRABatch
 from engine.lora_plan import chunk_capacity, plan_segments
 from engine.model import DecoderModel, DecodeView
 

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from engine.kv_cache import KVCache
-from engine.lora import LoRABatch, LoRAStacks
+from engine.lora import LoRAStacks
+from engine.lora_batch import LoRABatch
 from engine.lora_plan import SegmentPlan, chunk_capacity, plan_segments
 from engine.model import DecoderModel, DecodeView, PrefillView
 

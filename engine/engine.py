@@ -26,7 +26,8 @@ from engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from engine.eviction import DecayedFrequencyPolicy, LRUPolicy
 from engine.kv_cache import KVCache
 from engine.loader import load_weights, resolve_model
-from engine.lora import LoRABatch, LoRAStacks
+from engine.lora import LoRAStacks
+from engine.lora_batch import LoRABatch
 from engine.model import DecoderModel, SeqSlice
 from engine.pinned_arena import PinnedArena, shared_arena_fits
 from engine.pool import AdapterCacheStats, AdapterPool, AdapterVersion

@@ -2,7 +2,7 @@
 
 Tokens of every sequence in a step are flattened into one [T] batch (prefills and decodes mixed); each
 sequence's attention reads its own rows of the slot-based KV cache. LoRA deltas are added after each base
-projection by `lora.LoRABatch`, which knows the slot of every token.
+projection by `lora_batch.LoRABatch`, which knows the slot of every token.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.config import ModelArch
 from engine.kv_cache import KVCache
-from engine.lora import LoRABatch
+from engine.lora_batch import LoRABatch
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from engine.kv_cache import KVCache
-from engine.lora import LoRABatch, LoRAStacks
+from engine.lora import LoRAStacks
+from engine.lora_batch import LoRABatch
 from engine.lora_plan import plan_segments
 from engine.model import DecodeView
 from tests.support.decode_step import random_model

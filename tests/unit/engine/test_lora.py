@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine import kernels
-from engine.lora import AdapterWeights, LoRABatch, LoRAStacks
+from engine.lora import AdapterWeights, LoRAStacks
+from engine.lora_batch import LoRABatch
 from tests.unit.engine.tiny import TINY
 
 

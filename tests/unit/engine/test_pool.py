@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from engine.adapters import AdapterError
-from engine.lora import LoRABatch, LoRAStacks
+from engine.lora import LoRAStacks
+from engine.lora_batch import LoRABatch
 from engine.pool import AdapterCacheStats, AdapterPool, AdapterState
 from tests.unit.engine.tiny import TINY, write_adapter
 
