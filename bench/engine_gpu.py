@@ -40,7 +40,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from engine import kernels, kernels_fused, lora_plan
+from engine import kernels, kernels_expand, kernels_fused, kernels_shrink, lora_plan
 from engine import kernels_triton as kt
 
 HIDDEN, INTER, HEADS, HEAD_DIM, KV_LEN, BATCH, RANK, SLOTS = 4096, 11008, 32, 128, 512, 64, 16, 64
@@ -149,9 +149,9 @@ def lora_triton(
         h = lora.h_of(i, lora.a[p.name].shape[1])
         if shrink:
             x, a = lora.xs[p.name], lora.a[p.name]
-            kt.shrink(x, a, lora.ranks, plan, h, num_slices=len(p.slices), config=cfg.shrink, **options)
+            kernels_shrink.shrink(x, a, lora.ranks, plan, h, num_slices=len(p.slices), config=cfg.shrink, **options)
         if expand:
-            kt.expand(
+            kernels_expand.expand(
                 lora.ys[p.name],
                 h,
                 lora.b[p.name],
@@ -728,12 +728,14 @@ def section_decode_layer(args: argparse.Namespace, runs: Sequence[tuple[int, Con
                 lora.h.zero_()  # the layer's one memset, before its first projection
             h = lora.h_of(index[name], lora.a[name].shape[1])
             sl, opts = slices[name], {"pdl": cfg.variant.pdl, "short_chain": cfg.variant.short_chain}
-            kt.shrink(x, lora.a[name], lora.ranks, plan, h, num_slices=len(sl), config=cfg.shrink, **opts)
+            kernels_shrink.shrink(x, lora.a[name], lora.ranks, plan, h, num_slices=len(sl), config=cfg.shrink, **opts)
 
         def expand(name: str, y: torch.Tensor, plan: lora_plan.SegmentPlan = plan, cfg: Configs = cfg) -> None:
             h = lora.h_of(index[name], lora.a[name].shape[1])
             sl, opts = slices[name], {"pdl": cfg.variant.pdl, "short_chain": cfg.variant.short_chain}
-            kt.expand(y, h, lora.b[name], lora.ranks, lora.scalings, plan, slice_sizes=sl, config=cfg.expand, **opts)
+            kernels_expand.expand(
+                y, h, lora.b[name], lora.ranks, lora.scalings, plan, slice_sizes=sl, config=cfg.expand, **opts
+            )
 
         def triton_lora(name: str, x: torch.Tensor, y: torch.Tensor) -> None:
             shrink(name, x)

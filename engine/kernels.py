@@ -4,7 +4,7 @@ Layout shared by every implementation (vLLM's `lora/` contract):
 - `a_stack[S, R, K]`: slot s holds adapter A (rank r_s <= R rows; rows >= r_s are zero).
 - `b_stack[S, N, R]`: slot s holds adapter B (columns >= r_s are zero). The engine stores it rank-major,
   `[S, R, N]` passed as its transposed view (a rank-r slot's B is r contiguous rows); the triton kernels
-  take either that or a contiguous `[S, N, R]` (`kernels_triton.expand`), the torch paths any strides.
+  take either that or a contiguous `[S, N, R]` (`kernels_expand.expand`), the torch paths any strides.
 - `ranks[S]`: rank of each slot (0 for an empty slot).
 - `scalings[S]`: alpha / r (or alpha / sqrt(r) for rsLoRA) per slot.
 - `token_slots[T]`: slot of each token, -1 = base model only (no LoRA contribution).
@@ -20,7 +20,7 @@ Semantics (pseudo-code):
 
 `*_reference` are the plain torch definitions tests compare against. The front (`lora_shrink`,
 `lora_expand`, `lora_apply`) picks the implementation for the device: the triton kernels of
-`engine.kernels_triton` on CUDA, grouped matmuls over each adapter's true rank on the CPU.
+`engine.kernels_shrink` and `engine.kernels_expand` on CUDA, grouped matmuls over each adapter's true rank on the CPU.
 
 Fused projections ("slices"): projections sharing an input (q, k, v; gate, up) may be applied at once with
 `a_stack[S, L*R, K]` (their A stacked along the rank axis, slice l in rows [l*R, (l+1)*R)) and
@@ -199,11 +199,11 @@ def lora_shrink(
     """
     if not x.is_cuda:
         return _shrink_grouped(x, a_stack, ranks, token_slots, num_slices)
-    from engine import kernels_triton as kt
+    from engine import kernels_shrink
 
     h = torch.zeros(x.shape[0], a_stack.shape[1], dtype=torch.float32, device=x.device)
     plan = _plan(token_slots, x.device, plan)
-    kt.shrink(x, a_stack, ranks, plan, h, num_slices=num_slices, pdl=pdl, short_chain=short_chain)
+    kernels_shrink.shrink(x, a_stack, ranks, plan, h, num_slices=num_slices, pdl=pdl, short_chain=short_chain)
     return h.to(x.dtype)
 
 
@@ -227,10 +227,12 @@ def lora_expand(
     if not y.is_cuda:
         _expand_grouped(y, h, b_stack, ranks, scalings, token_slots, slice_sizes)
         return
-    from engine import kernels_triton as kt
+    from engine import kernels_expand
 
     plan = _plan(token_slots, y.device, plan)
-    kt.expand(y, h, b_stack, ranks, scalings, plan, slice_sizes=slice_sizes, pdl=pdl, short_chain=short_chain)
+    kernels_expand.expand(
+        y, h, b_stack, ranks, scalings, plan, slice_sizes=slice_sizes, pdl=pdl, short_chain=short_chain
+    )
 
 
 def lora_apply(
@@ -265,7 +267,7 @@ def lora_apply(
             a_rows = a_stack[:, sl * r_slice : (sl + 1) * r_slice]
             lora_apply_grouped(y[:, n0:n1], x, a_rows, b_stack[:, n0:n1], ranks, scalings, token_slots, segments)
         return
-    from engine import kernels_triton as kt
+    from engine import kernels_expand, kernels_shrink
 
     plan = _plan(token_slots, x.device, plan)
     if fused:
@@ -275,5 +277,7 @@ def lora_apply(
         return
     if h is None:
         h = torch.zeros(x.shape[0], a_stack.shape[1], dtype=torch.float32, device=x.device)
-    kt.shrink(x, a_stack, ranks, plan, h, num_slices=len(bounds), pdl=pdl, short_chain=short_chain)
-    kt.expand(y, h, b_stack, ranks, scalings, plan, slice_sizes=slice_sizes, pdl=pdl, short_chain=short_chain)
+    kernels_shrink.shrink(x, a_stack, ranks, plan, h, num_slices=len(bounds), pdl=pdl, short_chain=short_chain)
+    kernels_expand.expand(
+        y, h, b_stack, ranks, scalings, plan, slice_sizes=slice_sizes, pdl=pdl, short_chain=short_chain
+    )

@@ -1,7 +1,8 @@
 """Fused shrink + expand: one launch per projection group, no h round trip through memory.
 
 Opt-in (`kernels.lora_apply(..., fused=True)`): correct, but 1.2-1.4x slower than the separate kernels of
-`engine.kernels_triton` at Llama-7B decode shapes on an H200 (bench/RESULTS-gpu.md), hence not the default.
+`engine.kernels_shrink` and `engine.kernels_expand` at Llama-7B decode shapes on an H200 (bench/RESULTS-gpu.md),
+hence not the default.
 """
 
 from __future__ import annotations

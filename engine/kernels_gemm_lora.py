@@ -301,7 +301,7 @@ def gemm_lora(
 
     At most one slot may appear among `token_slots` (besides -1): the caller guarantees it (a tile's rows would
     otherwise all take its largest slot's adapter). `b_stack` is the `[S, N, R]` view of rank-major storage, as
-    `kernels_triton.expand` takes it. Raises ValueError where the shapes do not fit (`fits` False: use the
+    `kernels_expand.expand` takes it. Raises ValueError where the shapes do not fit (`fits` False: use the
     separate kernels). `split_k` overrides the splits of K that `tiling` picks (tests, probes).
     """
     num_tokens, k_dim = x.shape

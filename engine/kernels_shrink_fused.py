@@ -12,7 +12,7 @@ Hence opt-in (`EngineConfig.fold_lora_shrinks`).
 
 Semantics (pseudo-code), rows t, hidden size N, intermediate size I, rank blocks of 16, fp32 inside;
 `s = token_slots[t]`, `r = ranks[s]`, A stacked as the shrink kernel takes it (`a_stack[S, L*R, K]`, the
-slices' A along the rank axis, `engine.kernels_triton`), h fp32 and zeroed by the caller:
+slices' A along the rank axis, `engine.kernels_shrink`), h fp32 and zeroed by the caller:
 
     add_rms_norm_shrink(x, delta, weight, eps, a_stack, ranks, token_slots, h) -> (total, out):
         total[t] = round(x[t] + delta[t])                   (delta None: total is x itself)

@@ -1,6 +1,7 @@
 """The per-step LoRA plan: tokens grouped by adapter slot and cut into chunks, built on the host once per step
-and read by every triton kernel of the step (`engine.kernels_triton`). A plan holds a fixed number of chunk
-rows, so a CUDA graph captured with one replays any batch whose plan fits, after `SegmentPlan.copy_`.
+and read by every triton kernel of the step (`engine.kernels_shrink`, `engine.kernels_expand`). A plan holds a
+fixed number of chunk rows, so a CUDA graph captured with one replays any batch whose plan fits, after
+`SegmentPlan.copy_`.
 """
 
 from __future__ import annotations

@@ -196,8 +196,7 @@ def test_front_shrink_then_expand(dtype: torch.dtype) -> None:
 
 def test_shrink_of_a_few_chunks_in_a_large_plan() -> None:
     """One adapter in a plan sized for 64: its chunks get many programs each (split K) and must add up."""
-    from engine import kernels_triton as kt
-    from engine import lora_plan
+    from engine import kernels_shrink, lora_plan
 
     _, slot_ranks, max_rank, k_dim, slice_sizes = SCENARIOS["decode-mixed-ranks-64"]
     a, _, ranks, _ = stacks(slot_ranks, max_rank, k_dim, slice_sizes, torch.bfloat16)
@@ -208,7 +207,7 @@ def test_shrink_of_a_few_chunks_in_a_large_plan() -> None:
         token_slots, "cuda", block_m=16, num_chunks=lora_plan.chunk_capacity(64, len(slot_ranks), 16)
     )
     h = torch.zeros(len(token_slots), a.shape[1], device="cuda")
-    kt.shrink(x, a, ranks, plan, h, num_slices=len(slice_sizes))
+    kernels_shrink.shrink(x, a, ranks, plan, h, num_slices=len(slice_sizes))
     want = kernels.lora_shrink(x.cpu(), a.cpu(), ranks.cpu(), slots.cpu(), num_slices=len(slice_sizes))
     assert rel_err(h, want) < TOLERANCE[torch.bfloat16]
     assert torch.all(h[slots < 0] == 0)
@@ -222,8 +221,7 @@ def test_shrink_of_a_few_chunks_in_a_large_plan() -> None:
 def test_cuda_graph_replays_a_new_plan(block_m: int, path: str, max_rank: int) -> None:
     """Also PDL under stream capture: the launches become programmatic edges of the graph. The mixed stack
     holds ranks 8..64: each replayed plan shares the grid out by other ranks."""
-    from engine import kernels_fused, lora_plan
-    from engine import kernels_triton as kt
+    from engine import kernels_expand, kernels_fused, kernels_shrink, lora_plan
 
     fused = path == "fused"
     options = LATENCY_OPTIONS.get(path, {"pdl": False, "short_chain": False})
@@ -243,8 +241,8 @@ def test_cuda_graph_replays_a_new_plan(block_m: int, path: str, max_rank: int) -
             return
         h = torch.zeros(num_tokens, a.shape[1], device="cuda")
         pdl, short = options["pdl"], options["short_chain"]
-        kt.shrink(x, a, ranks, static, h, num_slices=len(slice_sizes), pdl=pdl, short_chain=short)
-        kt.expand(y, h, b, ranks, scalings, static, slice_sizes=slice_sizes, pdl=pdl, short_chain=short)
+        kernels_shrink.shrink(x, a, ranks, static, h, num_slices=len(slice_sizes), pdl=pdl, short_chain=short)
+        kernels_expand.expand(y, h, b, ranks, scalings, static, slice_sizes=slice_sizes, pdl=pdl, short_chain=short)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -259,7 +259,7 @@ def test_cpu_front_takes_the_latency_options() -> None:
 def test_b_stack_needs_a_contiguous_n_or_r_axis() -> None:
     """Rank-major B (a transposed [S, R, N] store) and out-major B are taken; B with neither axis contiguous is
     refused before any launch."""
-    from engine import kernels_fused, lora_plan
+    from engine import kernels_expand, kernels_fused, lora_plan
     from engine import kernels_triton as kt
 
     case = case_for("qkv-slices", torch.float32)
@@ -270,7 +270,7 @@ def test_b_stack_needs_a_contiguous_n_or_r_axis() -> None:
     h = torch.zeros(case.x.shape[0], case.a_stack.shape[1])
     sizes = case.slice_sizes
     with pytest.raises(ValueError, match="contiguous N or R"):
-        kt.expand(case.y.clone(), h, strided, case.ranks, case.scalings, plan, slice_sizes=sizes)
+        kernels_expand.expand(case.y.clone(), h, strided, case.ranks, case.scalings, plan, slice_sizes=sizes)
     with pytest.raises(ValueError, match="contiguous N or R"):
         kernels_fused.fused(
             case.y.clone(), case.x, case.a_stack, strided, case.ranks, case.scalings, plan, slice_sizes=sizes
@@ -379,8 +379,8 @@ class TestInterpreted:
         rank_major: bool = True,
         unit_rows: int = 16,
     ) -> None:
+        from engine import kernels_expand, kernels_shrink, lora_plan
         from engine import kernels_triton as kt
-        from engine import lora_plan
 
         case = case_for(name, dtype, token_slots, rank_major)
         tol = TOLERANCE[dtype]
@@ -391,13 +391,17 @@ class TestInterpreted:
         h = torch.zeros(case.x.shape[0], lr)
         shrink_cfg = kt.ShrinkConfig(block_k=16, block_r=block_r, programs_per_sm=per_sm)
         num_slices = len(case.slice_sizes)
-        kt.shrink(case.x, case.a_stack, case.ranks, plan, h, num_slices=num_slices, config=shrink_cfg, **options)
+        kernels_shrink.shrink(
+            case.x, case.a_stack, case.ranks, plan, h, num_slices=num_slices, config=shrink_cfg, **options
+        )
         assert rel_err(h, expected_h(case)) < tol
 
         y = case.y.clone()
         expand_cfg = kt.ExpandConfig(block_n=16, programs_per_sm=per_sm, unit_rows=unit_rows)
         sizes = case.slice_sizes
-        kt.expand(y, h, case.b_stack, case.ranks, case.scalings, plan, slice_sizes=sizes, config=expand_cfg, **options)
+        kernels_expand.expand(
+            y, h, case.b_stack, case.ranks, case.scalings, plan, slice_sizes=sizes, config=expand_cfg, **options
+        )
         assert rel_err(y, expected_y(case)) < tol
         untouched = (case.token_slots < 0) | (case.token_slots == 2)
         assert torch.equal(y[untouched], case.y[untouched])
@@ -479,8 +483,8 @@ class TestInterpreted:
         assert rel_err(y, expected_y(case)) < TOLERANCE[torch.float32]
 
     def test_one_adapter_prefill_chunks(self) -> None:
+        from engine import kernels_expand, kernels_shrink, lora_plan
         from engine import kernels_triton as kt
-        from engine import lora_plan
 
         slots = [0] * 40 + [-1] * 3
         case = make_case(torch.float32, [16], 16, 32, [32], slots, seed=7)
@@ -488,6 +492,6 @@ class TestInterpreted:
         assert plan.num_chunks == 3
         y = case.y.clone()
         h = torch.zeros(len(slots), 16)
-        kt.shrink(case.x, case.a_stack, case.ranks, plan, h)
-        kt.expand(y, h, case.b_stack, case.ranks, case.scalings, plan, config=kt.ExpandConfig(block_n=16))
+        kernels_shrink.shrink(case.x, case.a_stack, case.ranks, plan, h)
+        kernels_expand.expand(y, h, case.b_stack, case.ranks, case.scalings, plan, config=kt.ExpandConfig(block_n=16))
         assert rel_err(y, expected_y(case)) < TOLERANCE[torch.float32]

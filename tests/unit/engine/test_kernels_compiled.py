@@ -26,10 +26,11 @@ if importlib.util.find_spec("triton") is not None:
     from engine import (
         kernels_attention,
         kernels_elementwise,
+        kernels_expand,
         kernels_fused,
         kernels_gemm_lora,
+        kernels_shrink,
         kernels_shrink_fused,
-        kernels_triton,
     )
     from engine.lora_plan import plan_segments
     from tests.support.compile_only import H200, CompiledLaunch, compile_only
@@ -103,8 +104,8 @@ def test_shrink_and_expand(launches: list[CompiledLaunch], arch: str, rank: int,
     ranks, scalings = slot_table()
     plan = plan_segments([t % SLOTS for t in range(tokens)], META)  # chunks of 1 (decode) or 64 (prefill)
     h = empty(tokens, len(sizes) * rank, dtype=torch.float32)
-    kernels_triton.shrink(empty(tokens, fan_in), a, ranks, plan, h, num_slices=len(sizes))
-    kernels_triton.expand(empty(tokens, sum(sizes)), h, b, ranks, scalings, plan, slice_sizes=sizes)
+    kernels_shrink.shrink(empty(tokens, fan_in), a, ranks, plan, h, num_slices=len(sizes))
+    kernels_expand.expand(empty(tokens, sum(sizes)), h, b, ranks, scalings, plan, slice_sizes=sizes)
     assert_fit(launches, "_shrink_kernel", "_expand_kernel")
 
 
