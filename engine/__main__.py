@@ -33,6 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=PATH",
         help="register a PEFT adapter at start (repeatable)",
     )
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, refuse new requests and finish those in flight for up to this long (a second SIGTERM "
+        "or SIGINT stops at once)",
+    )
     defaults = EngineConfig()
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
@@ -98,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
         config_from(args).validate()
     except ValueError as exc:
         raise SystemExit(f"invalid engine configuration: {exc}") from exc
+    if not 0 <= args.drain_timeout_s < float("inf"):
+        raise SystemExit(f"invalid engine configuration: --drain-timeout-s must be >= 0, got {args.drain_timeout_s}")
 
     from engine.engine import EngineError, LLMEngine
 
@@ -112,14 +121,24 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"adapter {name!r}: {exc.message}") from exc
     grpc_thread = GrpcThread(engine, args.host, args.port)
     port = grpc_thread.start()
+    stopping = threading.Event()
+
+    def on_signal(*_: object) -> None:
+        # The first one drains: the gateway in front has stopped sending and waits for the streams in flight.
+        if stopping.is_set():
+            engine.request_stop()
+        else:
+            stopping.set()
+            engine.request_drain(args.drain_timeout_s)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: engine.request_stop())
+        signal.signal(sig, on_signal)
     logging.getLogger("engine").info("engine ready on %s:%d (model %s)", args.host, port, engine.model_name)
     if args.ready_file:
         tmp = args.ready_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"port": port, "pid": os.getpid()}))
         tmp.replace(args.ready_file)
-    engine.run()  # until SIGTERM / SIGINT
+    engine.run()  # until drained after SIGTERM / SIGINT
     grpc_thread.stop(grace=5)
     engine.stop()
 

@@ -160,6 +160,7 @@ class LLMEngine:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._pending = 0  # requests accepted but not yet seen by the engine thread
+        self._drain_deadline: float | None = None  # set once the engine drains (`request_drain`)
         self._live: dict[str, Sequence] = {}
         self.steps = 0
         self.tokens_generated = 0
@@ -239,6 +240,12 @@ class LLMEngine:
         self._stop.set()
         self._wake()
 
+    def request_drain(self, timeout_s: float) -> None:
+        """Refuse new requests (UNAVAILABLE), finish those in flight, then return from the step loop; requests
+        still unfinished after `timeout_s` end with an error. Safe from a signal handler (SIGTERM)."""
+        self._drain_deadline = time.monotonic() + timeout_s
+        self._wake()
+
     def stop(self) -> None:
         self.request_stop()
         if self._thread.is_alive():
@@ -296,6 +303,8 @@ class LLMEngine:
             priority=priority,
         )
         with self._lock:
+            if self._drain_deadline is not None:
+                raise EngineError("UNAVAILABLE", "the engine is shutting down; send the request to another one")
             if request_id in self._live:
                 raise EngineError("INVALID_ARGUMENT", f"request id {request_id!r} is already in use")
             if len(self.scheduler.waiting) + self._pending >= self.config.max_waiting:
@@ -369,6 +378,8 @@ class LLMEngine:
             try:
                 self._drain_commands()
                 self._reap()
+                if self._drain_deadline is not None and self._drained():
+                    return
                 if not self.scheduler.has_work():
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
@@ -382,6 +393,17 @@ class LLMEngine:
             except Exception as exc:  # a bug must fail the requests in flight, not the process
                 log.exception("engine step failed")
                 self._fail_all(f"engine step failed: {exc!r}")
+
+    def _drained(self) -> bool:
+        """While draining: whether every request has ended, those past the deadline with an error."""
+        with self._lock:
+            if not self._live:
+                return True
+        assert self._drain_deadline is not None
+        if time.monotonic() < self._drain_deadline:
+            return False
+        self._fail_all("the engine shut down before the request finished", list(self.scheduler.waiting))
+        return True
 
     def _fail_all(self, error: str, also: list[Sequence] | None = None) -> None:
         """End the running requests (and `also`) with `error`; a sink that raises cannot stop the others."""

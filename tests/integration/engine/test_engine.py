@@ -293,3 +293,32 @@ def test_a_request_waiting_through_a_hot_swap_starts_on_the_new_version(tmp_path
         assert eng.pool.cache_stats().loads == 3  # v1 twice (two names) and v2: no reload loop
     finally:
         eng.stop()
+
+
+@pytest.mark.parametrize(("max_tokens", "timeout_s", "reason"), [(12, 60.0, "length"), (2000, 0.3, "error")])
+def test_a_draining_engine_finishes_what_it_holds_and_refuses_the_rest(
+    max_tokens: int, timeout_s: float, reason: str
+) -> None:
+    """SIGTERM drains (`request_drain`): new requests are refused with UNAVAILABLE (a gateway sends them to
+    another engine), those in flight finish, or end with an error once the drain's deadline passes, and the
+    step loop returns. It once returned at once, and the streams in flight were cut."""
+    from engine.config import EngineConfig
+
+    eng = LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=2048))
+    eng.start()
+    try:
+        running = run(eng, "drain-1", chat(eng, "Count to a thousand."), SamplingParams(max_tokens, ignore_eos=True))
+        while not running.outputs:
+            time.sleep(0.005)
+        eng.request_drain(timeout_s)
+        with pytest.raises(EngineError) as refused:
+            run(eng, "drain-2", chat(eng, "Hi"), SamplingParams(max_tokens=2))
+        assert refused.value.code == "UNAVAILABLE"
+        last = running.wait(timeout=60)
+        assert last.finish_reason == reason
+        if reason == "length":
+            assert len(running.token_ids) == max_tokens
+        eng._thread.join(timeout=10)
+        assert not eng._thread.is_alive()
+    finally:
+        eng.stop()

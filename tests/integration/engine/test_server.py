@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,9 +20,9 @@ from engine import engine_pb2_grpc as pb_grpc
 from tests.unit.engine.tiny import write_adapter
 
 
-@pytest.fixture(scope="module")
-def engine_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[pb_grpc.EngineStub, Path]]:
-    tmp = tmp_path_factory.mktemp("engine")
+@contextlib.contextmanager
+def _engine(tmp: Path) -> Iterator[tuple[pb_grpc.EngineStub, subprocess.Popen[bytes]]]:
+    """A real engine process on a free port, and a stub for it."""
     ready = tmp / "ready.json"
     proc = subprocess.Popen(
         [
@@ -52,11 +54,19 @@ def engine_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[p
             time.sleep(0.1)
         port = json.loads(ready.read_text())["port"]
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        yield pb_grpc.EngineStub(channel), tmp
+        yield pb_grpc.EngineStub(channel), proc
         channel.close()
     finally:
-        proc.terminate()
+        if proc.poll() is None:
+            proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def engine_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[pb_grpc.EngineStub, Path]]:
+    tmp = tmp_path_factory.mktemp("engine")
+    with _engine(tmp) as (stub, _):
+        yield stub, tmp
 
 
 def chat_request(request_id: str, text: str, max_tokens: int = 16, adapter: str = "") -> pb.GenerateRequest:
@@ -175,3 +185,22 @@ def test_malformed_adapter_is_refused_and_engine_keeps_serving(engine_process: t
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "wrong base model" in err.value.details()
     assert list(stub.Generate(chat_request("after", "hi", 4)))[-1].finish_reason in ("stop", "length")
+
+
+def test_sigterm_drains_the_streams_in_flight(tmp_path: Path) -> None:
+    # SIGTERM once stopped the step loop at once: the streams in flight were cut (CANCELLED after the
+    # server's grace period). Now new requests are refused while those in flight run to their end.
+    with _engine(tmp_path) as (stub, proc):
+        request = chat_request("s1", "Count from one to one hundred, one number per line.", 40)
+        request.sampling.ignore_eos = True
+        stream = stub.Generate(request)
+        assert next(stream).admitted
+        assert next(stream).text is not None  # a first token: the request is decoding
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(chat_request("s2", "Hi", 4)))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        rest = list(stream)
+        assert rest[-1].finish_reason == "length" and rest[-1].usage.completion_tokens == 40
+        assert proc.wait(timeout=30) == 0
