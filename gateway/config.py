@@ -73,8 +73,10 @@ class LocalEngineConfig:
     # port arguments are appended.
     command: tuple[str, ...] = ()
     device: str = "auto"
-    max_num_seqs: int | None = None
-    max_model_len: int | None = None
+    # Checked here, not only by the engine: an engine that refuses its flags exits at start-up, which reads as
+    # "engine exited with status 2" rather than the setting at fault.
+    max_num_seqs: int | None = field(default=None, metadata={"min": 1})
+    max_model_len: int | None = field(default=None, metadata={"min": 1})
     extra_args: tuple[str, ...] = ()
     start_timeout_s: float = field(default=300.0, metadata={"min": 1.0})
 

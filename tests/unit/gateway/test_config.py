@@ -56,6 +56,9 @@ def test_config_path_from_environment(tmp_path: Path) -> None:
         ({"engines": {"local": {"count": True}}}, "engines.local.count: expected an integer"),
         ({"engines": {"replicas": [1]}}, "engines.replicas[0]: expected a string"),
         ({"server": 5}, "server: expected a mapping"),
+        # Once passed to the engine as they were: the engine then exited at start-up.
+        ({"engines": {"local": {"max_num_seqs": 0}}}, "engines.local.max_num_seqs: must be at least 1"),
+        ({"engines": {"local": {"max_model_len": -5}}}, "engines.local.max_model_len: must be at least 1"),
     ],
 )
 def test_bad_values_name_the_key(data: dict[str, object], message: str) -> None:
