@@ -18,6 +18,7 @@ alternating, side by side.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
@@ -104,7 +105,7 @@ def main() -> None:
                 work = threading.Thread(target=load_all, args=(loaders[phase], batch))
             gaps = sorted(gaps_while(work, seconds=0.5))
             worst[phase].append(gaps[-1])
-            p99s[phase].append(gaps[int(len(gaps) * 0.99)])
+            p99s[phase].append(gaps[math.ceil(len(gaps) * 0.99 - 1e-9) - 1])  # nearest rank
             print(
                 f"{phase:9s}: longest gap {gaps[-1] * 1e3:7.2f} ms, p99 {p99s[phase][-1] * 1e3:6.2f} ms, "
                 f"median {statistics.median(gaps) * 1e3:.2f} ms",

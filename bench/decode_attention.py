@@ -4,8 +4,9 @@ up to the step's KV-length bucket, SDPA behind a mask), side by side in CUDA gra
 
   python bench/decode_attention.py [--layers 8] [--repeats 50]
 
-Each graph runs `--layers` layers with caches of their own (so the L2 cache does not hold them all); rows sit
-at random positions in the upper half of their bucket. Prints us per layer and torch / triton.
+Each graph runs `--layers` layers with caches of their own (so the L2 cache does not hold them all, but for the
+smallest cases, which the line marks); rows sit at random positions in the upper half of their bucket. Both paths
+are checked against each other first. Prints us per layer and torch / triton.
 """
 
 from __future__ import annotations
@@ -73,15 +74,29 @@ def run_case(heads: int, kv_heads: int, head_dim: int, batch: int, max_len: int,
             q = kernels_attention.rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, positions, heads, kv_heads)
             kernels_attention.decode_attention(q, k_cache, v_cache, slots, positions, max_len)
 
+    # Both paths once on the first layer's caches, checked against each other before anything is timed (each
+    # writes the same rotated keys and values at the rows' positions, so the caches stay as they were).
+    qk = apply_rope(qkv[:, : q_size + kv_size].view(batch, heads + kv_heads, head_dim), cos, sin)
+    v = qkv[:, q_size + kv_size :].view(batch, kv_heads, head_dim)
+    want = DecoderLayer._decode_attention(qk[:, :heads], qk[:, heads:], v, k_caches[0], v_caches[0], view).float()
+    q = kernels_attention.rope_and_cache(qkv, cos, sin, k_caches[0], v_caches[0], slots, positions, heads, kv_heads)
+    got = kernels_attention.decode_attention(q, k_caches[0], v_caches[0], slots, positions, max_len).float()
+    err = float((got - want).norm() / want.norm())
+    if err > 3e-2:
+        raise AssertionError(f"triton attention disagrees with the torch path: rel err {err:.2e}")
+
     # Alternate the two, three times each, and keep each one's best median (the machine is shared).
     torch_us = triton_us = float("inf")
     for _ in range(3):
         torch_us = min(torch_us, graph_us(torch_path, layers, repeats))
         triton_us = min(triton_us, graph_us(triton_path, layers, repeats))
     splits = kernels_attention.split_count(batch, kv_heads, max_len, dev)
+    cache_mb = 2 * layers * k_caches[0].numel() * k_caches[0].element_size() / 2**20
+    l2_mb = torch.cuda.get_device_properties(dev).L2_cache_size / 2**20
     return (
         f"batch {batch:3d}, KV bucket {max_len:5d}: torch {torch_us:7.1f} us  triton {triton_us:6.1f} us "
-        f"({splits} key ranges)  torch / triton x{torch_us / triton_us:.2f}"
+        f"({splits} key ranges)  torch / triton x{torch_us / triton_us:.2f}  (rel err {err:.1e}; caches "
+        f"{cache_mb:.0f} MiB{', within L2: both paths read them from L2' if cache_mb < l2_mb else ''})"
     )
 
 

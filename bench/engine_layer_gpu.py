@@ -10,7 +10,8 @@ LoRA inside (`engine/kernels_gemm_lora.py`); both of the last two. Figures:
 - throughput against no LoRA, next to the bandwidth bound base bytes / (base bytes + adapter bytes);
 - LoRA's added time per layer (mix minus no LoRA), the figure goal (a) bounds for the LoRA kernels alone;
 - each mode over the separate kernels.
-Every mode's logits are checked against the separate kernels' first. Times: medians of `triton.testing.do_bench`.
+Every mode's logits are checked against the separate kernels' first, and the LoRA must visibly change them.
+Times: medians of `triton.testing.do_bench`.
 """
 
 from __future__ import annotations
@@ -151,6 +152,10 @@ def main() -> None:
             )
             if err > 0.25 * effect:
                 raise AssertionError(f"{mode} and the separate kernels disagree")
+            # Rank-16 adapters at scaling 1 move the logits by tens of percent: with no effect at all, every mode
+            # would agree with the others (err 0 <= 0) while timing a LoRA path that does nothing.
+            if effect < 1e-2:
+                raise AssertionError(f"{name}: the LoRA did not change the logits ({effect:.2e})")
     layers = spec.num_layers
     base = median_us(base_graph.replay, quick=False) / layers
     summary = [f"no LoRA: {base:.1f} us per layer (Llama-7B dims, batch {BATCH}, KV {KV_LEN}, graphs)"]

@@ -137,7 +137,8 @@ def simulate(make: Callable[[VirtualClock], Scheduler], cfg: SimConfig, seed: in
                 next_arrival[tenant] += rng.expovariate(rates[tenant])
         while len(running) < cfg.slots and (popped := queue.pop()) is not None:
             queue.started(popped)
-            result.waits[popped.tenant].append(now - popped.enqueued_at)
+            if now >= cfg.warmup_s:  # like the served tokens, waits count after the warm-up only
+                result.waits[popped.tenant].append(now - popped.enqueued_at)
             running.append(_Slot(popped, cfg.request_tokens))
         if not running:
             continue

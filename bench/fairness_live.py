@@ -47,7 +47,7 @@ if str(ROOT) not in sys.path:
 
 # Sibling scripts by their own names (bench/ is this script's sys.path entry, not a package), as mypy sees them.
 from fast_engine import FastEngineFixture, FastEngineOptions, write_ready_file  # noqa: E402
-from gateway_rest import cpu_seconds, start  # noqa: E402
+from gateway_rest import cpu_seconds, percentile, start  # noqa: E402
 
 from engine import engine_pb2 as pb  # noqa: E402
 from engine import engine_pb2_grpc as pb_grpc  # noqa: E402
@@ -221,11 +221,6 @@ def jain(values: list[float]) -> float:
     """Jain's fairness index: 1 when all values are equal, 1/n when one takes everything."""
     total, squares = sum(values), sum(v * v for v in values)
     return total * total / (len(values) * squares) if squares else 1.0
-
-
-def percentile(values: list[float], q: float) -> float:
-    data = sorted(values)
-    return data[min(len(data) - 1, int(q * len(data)))] if data else float("nan")
 
 
 @dataclass(frozen=True, slots=True)
