@@ -110,7 +110,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from engine.engine import EngineError, LLMEngine
 
-    engine = LLMEngine(config_from(args))
+    try:
+        engine = LLMEngine(config_from(args))
+    except (FileNotFoundError, ValueError) as exc:  # the model missing, unsupported or corrupt; no GPU memory
+        raise SystemExit(f"cannot start the engine: {exc}") from exc
     for item in args.adapter:
         name, sep, path = item.partition("=")
         if not sep:

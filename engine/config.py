@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -82,8 +83,9 @@ class EngineConfig:
             raise ValueError(f"adapter_fills_ahead must be within 0..64, got {self.adapter_fills_ahead}")
         if self.pinned_adapter_memory_mb < 0:
             raise ValueError(f"pinned_adapter_memory_mb must be >= 0, got {self.pinned_adapter_memory_mb}")
-        if self.gil_switch_interval_ms < 0:
-            raise ValueError(f"gil_switch_interval_ms must be >= 0, got {self.gil_switch_interval_ms}")
+        # NaN passes a plain `< 0` test, and sys.setswitchinterval turns infinity into an interval of 0.
+        if not 0 <= self.gil_switch_interval_ms < math.inf:
+            raise ValueError(f"gil_switch_interval_ms must be >= 0 and finite, got {self.gil_switch_interval_ms}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be within (0, 1], got {self.gpu_memory_utilization}")
         if self.adapter_loader not in ("auto", "thread", "process"):
@@ -98,7 +100,16 @@ class EngineConfig:
             raise ValueError(f"lora_gemm must be on or off, got {self.lora_gemm!r}")
         if self.attention_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
-        if self.attention_backend == "triton" and self.torch_device().type != "cuda":
+        # A bad device otherwise surfaces only after the model has loaded, as torch's traceback.
+        try:
+            device = self.torch_device()
+        except RuntimeError as exc:
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}") from exc
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"device {self.device!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+        if self.attention_backend == "triton" and device.type != "cuda":
             raise ValueError("attention_backend triton needs a CUDA device")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
@@ -138,7 +149,7 @@ class ModelArch:
     head_dim: int
     rope_theta: float
     rms_norm_eps: float
-    max_position: int
+    max_position: int  # the context served: the model's, capped at its sliding attention window if any
     tie_embeddings: bool
     qkv_bias: bool
 

@@ -13,6 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,11 +40,8 @@ _GGUF_LAYER_NAMES = {
 _HF_LAYER_NAMES = {
     "input_layernorm.weight": "input_norm.weight",
     "post_attention_layernorm.weight": "post_norm.weight",
-    **{
-        f"self_attn.{p}.{kind}": f"{p}.{kind}"
-        for p in ("q_proj", "k_proj", "v_proj", "o_proj")
-        for kind in ("weight", "bias")
-    },
+    **{f"self_attn.{p}.{kind}": f"{p}.{kind}" for p in ("q_proj", "k_proj", "v_proj") for kind in ("weight", "bias")},
+    "self_attn.o_proj.weight": "o_proj.weight",
     **{f"mlp.{p}.weight": f"{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")},
 }
 
@@ -122,7 +120,10 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 def _load_gguf(path: Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except ValueError as exc:  # bad magic, truncated tensor data: gguf's message names neither file nor cause
+        raise ValueError(f"{path.name}: not a readable GGUF file ({exc})") from exc
 
     def field(key: str) -> object:
         f = reader.fields.get(key)
@@ -143,6 +144,13 @@ def _load_gguf(path: Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
     hidden = int(num("embedding_length"))
     heads = int(num("attention.head_count"))
     names = {t.name for t in reader.tensors}
+    # Scaled rotary embeddings: a scaling type, or Llama 3's per-frequency factors stored as a tensor. Our
+    # tables are unscaled; ignoring the scaling would rotate every position wrongly.
+    scaling = field(f"{arch_name}.rope.scaling.type")
+    if scaling not in (None, "none") or "rope_freqs.weight" in names:
+        kind = scaling if scaling not in (None, "none") else "rope_freqs"
+        raise ValueError(f"{path.name}: unsupported rope scaling {kind!r} (only unscaled rotary embeddings)")
+    window = int(num("attention.sliding_window", 0)) or None
     arch = ModelArch(
         arch=arch_name,
         vocab_size=int(num("vocab_size", float(len(field("tokenizer.ggml.tokens") or [])))),  # type: ignore[arg-type]
@@ -154,7 +162,7 @@ def _load_gguf(path: Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
         head_dim=int(num("rope.dimension_count", hidden // heads)),
         rope_theta=num("rope.freq_base", 10000.0),
         rms_norm_eps=num("attention.layer_norm_rms_epsilon"),
-        max_position=int(num("context_length", 4096)),
+        max_position=_within_window(int(num("context_length", 4096)), window),
         tie_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
     )
@@ -184,9 +192,13 @@ def _load_gguf(path: Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
 
 
 def _load_hf(folder: Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    config = json.loads((folder / "config.json").read_text())
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{folder / 'config.json'}: not valid JSON ({exc})") from exc
     model_type = config.get("model_type", "llama")
     if model_type not in ("llama", "qwen2", "mistral"):
         raise ValueError(f"{folder}: unsupported model_type {model_type!r} (llama, qwen2, mistral)")
@@ -196,7 +208,10 @@ def _load_hf(folder: Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
         raise FileNotFoundError(f"{folder}: no *.safetensors weights")
     raw: dict[str, torch.Tensor] = {}
     for file in files:
-        raw.update(load_file(str(file)))
+        try:
+            raw.update(load_file(str(file)))
+        except SafetensorError as exc:  # a truncated or corrupt file; the error names no file
+            raise ValueError(f"{file}: not a readable safetensors file ({exc})") from exc
     state: dict[str, torch.Tensor] = {}
     for name, tensor in raw.items():
         name = name.removeprefix("model.")
@@ -209,7 +224,11 @@ def _load_hf(folder: Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
         elif name.startswith("layers."):
             _, index, rest = name.split(".", 2)
             if rest not in _HF_LAYER_NAMES:
-                continue  # e.g. rotary inv_freq buffers
+                if rest.endswith("inv_freq"):
+                    continue  # rotary buffers, recomputed by the model
+                # An o_proj or MLP bias (Llama's attention_bias / mlp_bias) our layers have no place for:
+                # dropping it would change every output silently.
+                raise ValueError(f"{folder}: unexpected tensor {name}")
             ours = f"layers.{index}.{_HF_LAYER_NAMES[rest]}"
         else:
             continue
@@ -223,10 +242,42 @@ def _load_hf(folder: Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
         num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads", heads)),
         head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-        rope_theta=float(config.get("rope_theta", 10000.0)),
+        rope_theta=_hf_rope_theta(folder, config),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        max_position=int(config.get("max_position_embeddings", 4096)),
+        max_position=_within_window(int(config.get("max_position_embeddings", 4096)), _hf_sliding_window(config)),
         tie_embeddings="lm_head" not in state,
         qkv_bias="layers.0.q_proj.bias" in state,
     )
     return arch, state
+
+
+def _hf_rope_theta(folder: Path, config: dict[str, Any]) -> float:
+    """config.json's rotary base. Scaled rotary embeddings (linear, dynamic, yarn, llama3, ...) are refused: the
+    model's tables are unscaled, and ignoring the scaling would rotate every position wrongly."""
+    # transformers >= 5 writes `rope_parameters` (the base included); older files `rope_theta`, `rope_scaling`.
+    theta = config.get("rope_theta")
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = config.get(key) or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"{folder}: unsupported {key} type {kind!r} (only unscaled rotary embeddings)")
+        theta = rope.get("rope_theta", theta)
+    return float(theta if theta is not None else 10000.0)
+
+
+def _hf_sliding_window(config: dict[str, Any]) -> int | None:
+    """The attention window of config.json's windowed layers, or None when every layer attends to all keys."""
+    window = config.get("sliding_window")
+    if window is None or config.get("model_type", "llama") == "llama":
+        return None
+    if "layer_types" in config:  # transformers >= 5 names each layer's attention
+        return int(window) if "sliding_attention" in config["layer_types"] else None
+    if config.get("model_type") == "qwen2" and not config.get("use_sliding_window", False):
+        return None
+    return int(window)
+
+
+def _within_window(max_position: int, window: int | None) -> int:
+    # Our attention has no window: the context is capped at it instead, where a windowed layer still sees
+    # every key (a query attends to the `window` keys ending at its own), so outputs stay the model's.
+    return max_position if window is None else min(max_position, window)

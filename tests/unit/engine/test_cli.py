@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from engine.__main__ import build_parser, config_from
+from engine.__main__ import build_parser, config_from, main
 
 
 def test_boolean_fields_are_switches_not_typed_values() -> None:
@@ -27,8 +29,9 @@ def test_typed_fields_parse_and_bad_values_are_refused() -> None:
 def test_gil_switch_interval_flag() -> None:
     parser = build_parser()
     assert config_from(parser.parse_args(["--gil-switch-interval-ms", "0.5"])).gil_switch_interval_ms == 0.5
-    with pytest.raises(ValueError, match="gil_switch_interval_ms"):
-        config_from(parser.parse_args(["--gil-switch-interval-ms", "-1"])).validate()
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(ValueError, match="gil_switch_interval_ms must be >= 0 and finite"):
+            config_from(parser.parse_args(["--gil-switch-interval-ms", bad])).validate()
 
 
 def test_pinned_adapter_memory_flag() -> None:
@@ -93,3 +96,26 @@ def test_lora_gemm_and_fills_ahead_flags() -> None:
         config_from(parser.parse_args(["--lora-gemm", "auto"])).validate()
     with pytest.raises(ValueError, match=r"adapter_fills_ahead must be within 0\.\.64"):
         config_from(parser.parse_args(["--adapter-fills-ahead", "-1"])).validate()
+
+
+def test_bad_device_is_refused_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = build_parser()
+    for bad in ("gpu", "mps", "cuda:-1"):
+        with pytest.raises(ValueError, match=f"device must be auto, cpu, cuda or cuda:N, got '{bad}'"):
+            config_from(parser.parse_args(["--device", bad])).validate()
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    config_from(parser.parse_args(["--device", "cuda:0"])).validate()
+    with pytest.raises(ValueError, match="device 'cuda:1': this machine has 1 CUDA devices"):
+        config_from(parser.parse_args(["--device", "cuda:1"])).validate()
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
+    with pytest.raises(ValueError, match="device 'cuda': this machine has 0 CUDA devices"):
+        config_from(parser.parse_args(["--device", "cuda"])).validate()
+
+
+def test_engine_start_up_errors_exit_with_the_reason(tmp_path: Path) -> None:
+    """A missing or unloadable model ends `python -m engine` with its reason, not a traceback."""
+    with pytest.raises(SystemExit, match=r"cannot start the engine: model '.*missing': expected a \.gguf file"):
+        main(["--model", str(tmp_path / "missing"), "--device", "cpu"])
+    (tmp_path / "broken.gguf").write_bytes(b"not a model" * 100)
+    with pytest.raises(SystemExit, match=r"cannot start the engine: broken\.gguf: not a readable GGUF file"):
+        main(["--model", str(tmp_path / "broken.gguf"), "--device", "cpu"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -27,22 +28,22 @@ TINY_CONFIG = dict(
 )
 
 
-def _save_tiny(kind: str, folder: Path) -> torch.nn.Module:
+def _save_tiny(kind: str, folder: Path, **overrides: object) -> torch.nn.Module:
     torch.manual_seed(0)
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[kind]
-    model = model_cls(config_cls(**TINY_CONFIG)).eval()
+    model = model_cls(config_cls(**{**TINY_CONFIG, **overrides})).eval()
     model.save_pretrained(str(folder), safe_serialization=True)
     return model
 
 
-def _ours_and_reference(kind: str, tmp_path: Path) -> tuple[DecoderModel, KVCache, torch.Tensor]:
-    """Our model of a saved tiny `kind`, an empty 2-slot KV cache, and transformers' logits for
-    PROMPT + [11, 12]."""
-    reference = _save_tiny(kind, tmp_path)
+def _ours_and_reference(kind: str, tmp_path: Path, **overrides: object) -> tuple[DecoderModel, KVCache, torch.Tensor]:
+    """Our model of a saved tiny `kind` (TINY_CONFIG with `overrides`), an empty 2-slot KV cache, and
+    transformers' logits for PROMPT + [11, 12]."""
+    reference = _save_tiny(kind, tmp_path, **overrides)
     arch, state = load_weights(resolve_model(str(tmp_path)))
     ours = DecoderModel(arch)
     ours.load_state(state)
@@ -129,3 +130,70 @@ def test_padded_prefill_and_buffer_decode_match_transformers(tmp_path: Path) -> 
         decode = DecodeView.of_buffers(torch.tensor([1, kv.scratch_slot]), torch.tensor([pos, 0]), max_len=16)
         logits = ours.decode(torch.tensor([token, 0]), decode, kv, None)
         torch.testing.assert_close(logits[0], ref_logits[pos], rtol=1e-4, atol=1e-4)
+
+
+def test_rope_theta_of_a_transformers_5_config(tmp_path: Path) -> None:
+    """transformers >= 5 saves the rotary base inside `rope_parameters`, not as `rope_theta`."""
+    ours, kv, ref_logits = _ours_and_reference("llama", tmp_path, rope_theta=100000.0)
+    assert "rope_theta" not in json.loads((tmp_path / "config.json").read_text())
+    assert ours.arch.rope_theta == 100000.0
+    n = len(PROMPT) + 2
+    logits = ours(torch.tensor([*PROMPT, 11, 12]), torch.arange(n), [SeqSlice(0, 0, n, n)], kv, None)
+    torch.testing.assert_close(logits[0], ref_logits[n - 1], rtol=1e-5, atol=1e-5)
+
+
+def _old_style_config(folder: Path, rope_scaling: dict[str, object]) -> None:
+    # config.json as transformers 4 wrote it (and most hub models still have it): top-level rope_theta and
+    # rope_scaling, no rope_parameters.
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("rope_parameters")
+    config.update(rope_theta=10000.0, rope_scaling=rope_scaling)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("style", ["rope_parameters", "rope_scaling"])
+def test_scaled_rope_is_refused(style: str, tmp_path: Path) -> None:
+    """Our rotary tables are unscaled: loading such a model anyway would give wrong logits past position 0."""
+    if style == "rope_parameters":
+        _save_tiny("llama", tmp_path, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    else:
+        _save_tiny("llama", tmp_path)
+        _old_style_config(tmp_path, {"type": "linear", "factor": 2.0})
+    with pytest.raises(ValueError, match=f"unsupported {style} type 'linear'"):
+        load_weights(resolve_model(str(tmp_path)))
+
+
+def test_unscaled_old_style_config_loads(tmp_path: Path) -> None:
+    _save_tiny("llama", tmp_path)
+    _old_style_config(tmp_path, {"rope_type": "default"})
+    assert load_weights(resolve_model(str(tmp_path)))[0].rope_theta == 10000.0
+
+
+@pytest.mark.parametrize("bias", ["attention_bias", "mlp_bias"])
+def test_llama_biases_beyond_qkv_are_refused(bias: str, tmp_path: Path) -> None:
+    """Llama's attention_bias adds an o_proj bias, mlp_bias gate/up/down ones: our layers have none, and
+    dropping them silently changed every logit."""
+    _save_tiny("llama", tmp_path, **{bias: True})
+    with pytest.raises(ValueError, match=r"unexpected tensor layers\.0\.(self_attn\.o_proj|mlp\.\w+_proj)\.bias"):
+        load_weights(resolve_model(str(tmp_path)))
+
+
+@pytest.mark.parametrize(
+    ("kind", "overrides"),
+    [
+        ("mistral", dict(sliding_window=4)),
+        ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0)),
+    ],
+)
+def test_sliding_window_caps_the_context(kind: str, overrides: dict[str, object], tmp_path: Path) -> None:
+    """Our attention has no window, so the context stops at it: within it, transformers' windowed attention
+    sees every key too (past it, our logits differed)."""
+    ours, kv, ref_logits = _ours_and_reference(kind, tmp_path, **overrides)
+    assert ours.arch.max_position == 4
+    logits = ours(torch.tensor(PROMPT[:4]), torch.arange(4), [SeqSlice(0, 0, 4, 4)], kv, None)
+    torch.testing.assert_close(logits[0], ref_logits[3], rtol=1e-4, atol=1e-4)
+
+
+def test_qwen2_sliding_window_off_keeps_the_context(tmp_path: Path) -> None:
+    _save_tiny("qwen2", tmp_path, use_sliding_window=False, sliding_window=4)
+    assert load_weights(resolve_model(str(tmp_path)))[0].max_position == TINY_CONFIG["max_position_embeddings"]
