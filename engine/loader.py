@@ -76,6 +76,10 @@ def resolve_model(model: str) -> ModelSource:
     raise FileNotFoundError(f"model {model!r}: expected a .gguf file or a folder with config.json")
 
 
+# Raise when `_load_gguf` reads a GGUF differently (2: rope scaling refused, sliding window honoured).
+_GGUF_CACHE_VERSION = 2
+
+
 def cache_dir(source: ModelSource) -> Path:
     """Per-model folder for derived files (dequantized weights, converted tokenizer), keyed by file identity."""
     stat = source.path.stat()
@@ -88,9 +92,12 @@ def load_weights(source: ModelSource) -> tuple[ModelArch, dict[str, torch.Tensor
     """Architecture and float32 CPU state dict of the base model."""
     if source.kind == "hf":
         return _load_hf(source.path)
-    # Dequantizing GGUF takes seconds; a safetensors copy of the result loads in a fraction of that.
+    # Dequantizing GGUF takes seconds; a safetensors copy of the result loads in a fraction of that. The files
+    # are named by `_GGUF_CACHE_VERSION`: a conversion made by an older loader (one that read less of the file's
+    # metadata) is made again, not trusted.
     cached = cache_dir(source)
-    arch_file, weights_file = cached / "arch.json", cached / "weights.safetensors"
+    arch_file = cached / f"arch.v{_GGUF_CACHE_VERSION}.json"
+    weights_file = cached / f"weights.v{_GGUF_CACHE_VERSION}.safetensors"
     if arch_file.is_file() and weights_file.is_file():
         from safetensors.torch import load_file
 
@@ -103,7 +110,10 @@ def load_weights(source: ModelSource) -> tuple[ModelArch, dict[str, torch.Tensor
         tmp = weights_file.with_suffix(f".tmp{os.getpid()}")
         save_file(state, str(tmp))
         tmp.replace(weights_file)
-        arch_file.write_text(json.dumps(dataclasses.asdict(arch)))
+        # Written whole, then renamed: an engine starting beside this one never reads half of it.
+        tmp = arch_file.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(dataclasses.asdict(arch)))
+        tmp.replace(arch_file)
     except OSError:
         pass  # a read-only cache only costs speed
     return arch, state

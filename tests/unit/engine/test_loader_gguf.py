@@ -100,3 +100,26 @@ def test_sliding_window_caps_the_context(tmp_path: Path) -> None:
     # Attention has no window here: past it, every query would see keys the model never attends to.
     path = write_tiny_gguf(tmp_path / "window.gguf", {"attention.sliding_window": 16})
     assert load_weights(resolve_model(str(path)))[0].max_position == 16
+
+
+def test_a_conversion_cached_by_an_older_loader_is_not_trusted(tmp_path: Path) -> None:
+    # The dequantized copy was once trusted whatever loader made it: a file cached before rope scaling was
+    # refused kept loading, with unscaled tables.
+    import dataclasses
+    import json
+
+    from engine.loader import cache_dir
+
+    path = write_tiny_gguf(tmp_path / "scaled.gguf", {"rope.scaling.type": "linear", "rope.scaling.factor": 2.0})
+    source = resolve_model(str(path))
+    with pytest.raises(ValueError, match="unsupported rope scaling"):
+        load_weights(source)
+    arch, state = load_weights(resolve_model(str(write_tiny_gguf(tmp_path / "plain.gguf"))))
+    old = cache_dir(source)  # what an older loader left: unversioned files
+    old.mkdir(parents=True, exist_ok=True)
+    (old / "arch.json").write_text(json.dumps(dataclasses.asdict(arch)))
+    from safetensors.torch import save_file
+
+    save_file(state, str(old / "weights.safetensors"))
+    with pytest.raises(ValueError, match="unsupported rope scaling"):
+        load_weights(source)
