@@ -69,7 +69,10 @@ class CompiledLaunch:
             ).stderr
         regs = re.search(r"Used (\d+) registers", report)
         spills = re.search(r"(\d+) bytes spill stores", report)
-        return int(regs.group(1)) if regs else 0, int(spills.group(1)) if spills else 0
+        # A report these patterns miss must fail the check, not read as "0 bytes spilled".
+        if regs is None or spills is None:
+            raise AssertionError(f"cannot read registers and spills from ptxas's report:\n{report}")
+        return int(regs.group(1)), int(spills.group(1))
 
 
 class _CompileOnlyDriver:

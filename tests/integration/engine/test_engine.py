@@ -156,24 +156,32 @@ def test_more_requests_than_kv_slots_wait_then_finish(engine: LLMEngine) -> None
 def test_cold_adapter_never_stalls_other_requests(
     engine: LLMEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    release = threading.Event()
+    release, loading = threading.Event(), threading.Event()
     real_load = loader_module.load_adapter
 
     def slow_load(*args, **kwargs):  # type: ignore[no-untyped-def]
-        release.wait(10)  # a slow disk: the load finishes only when the test says so
+        loading.set()
+        release.wait(60)  # a slow disk: the load finishes only when the test says so
         return real_load(*args, **kwargs)
 
     monkeypatch.setattr(loader_module, "load_adapter", slow_load)
     engine.load_adapter("cold", str(write_adapter(tmp_path / "cold", arch=engine.arch, rank=8, seed=5)))
     base = run(engine, "warm-base", chat(engine, "Tell me about cats."), SamplingParams(max_tokens=60, ignore_eos=True))
-    while len(base.outputs) < 2:
-        time.sleep(0.005)
-    cold = run(engine, "cold-req", chat(engine, "Tell me about dogs."), GREEDY, adapter="cold")  # admitted at once
-    produced_before = len(base.outputs)
-    time.sleep(0.5)
-    assert len(base.outputs) > produced_before + 3, "base request stalled while the adapter was loading"
-    assert not cold.outputs
-    release.set()
+    try:
+        while len(base.outputs) < 2:
+            time.sleep(0.005)
+        cold = run(engine, "cold-req", chat(engine, "Tell me about dogs."), GREEDY, adapter="cold")  # admitted at once
+        assert loading.wait(10)
+        # While the load hangs, the base request keeps decoding (a stalled one would make no progress until the
+        # test releases the load below): wait for 4 more of its tokens, however slowly this machine steps.
+        produced_before = len(base.outputs)
+        give_up = time.monotonic() + 30
+        while len(base.outputs) <= produced_before + 3:
+            assert time.monotonic() < give_up, "base request stalled while the adapter was loading"
+            time.sleep(0.005)
+        assert not cold.outputs
+    finally:
+        release.set()
     assert cold.wait().finish_reason == "length"
     assert len(cold.token_ids) == GREEDY.max_tokens
     base.wait()

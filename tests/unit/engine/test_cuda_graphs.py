@@ -27,4 +27,4 @@ def test_bucket_for_picks_the_smallest_that_fits_or_none() -> None:
 
 def test_graph_keys_sort_largest_first_for_capture() -> None:
     keys = sorted([GraphKey(1, 256, False), GraphKey(8, 256, True), GraphKey(8, 512, False)], reverse=True)
-    assert keys[0] == GraphKey(8, 512, False)
+    assert keys == [GraphKey(8, 512, False), GraphKey(8, 256, True), GraphKey(1, 256, False)]

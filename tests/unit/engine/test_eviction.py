@@ -153,9 +153,9 @@ def test_history_of_evicted_keys_is_bounded() -> None:
 
 
 def test_rejects_bad_parameters() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="half_life"):
         DecayedFrequencyPolicy(half_life=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="max_history"):
         DecayedFrequencyPolicy(max_history=-1)
 
 

@@ -130,7 +130,7 @@ def test_a_version_unloaded_while_it_loads_is_dropped_when_the_load_ends(
     assert loader.started.wait(10)  # the load is running: it cannot be cancelled
     assert pool.unregister("a")
     loader.gate.set()
-    version.settled.wait(10)
+    assert version.settled.wait(10)
     assert version.retired and version.weights is None
     assert arena.free_pages == empty
 

@@ -236,7 +236,11 @@ async def test_engine_answering_unavailable_for_one_request_leaves_the_replica_s
         async with EnginePool([f"127.0.0.1:{engine.port}"], poll_interval_s=60) as pool:
             replica = pool.replicas[0]
             running = asyncio.create_task(_collect(pool, _request("running")))
-            await asyncio.sleep(0.05)
+            for _ in range(2000):  # streaming on the replica when the refusal comes
+                if "running" in engine.active:
+                    break
+                await asyncio.sleep(0.005)
+            assert "running" in engine.active
             with pytest.raises(ReplicaFailed, match="failed to load"):
                 await _collect(pool, _request("bad"), _adapter("broken"))
             assert replica.healthy
