@@ -1,48 +1,115 @@
-"""The OpenAPI 3.1 description of the REST API, served at /openapi.json."""
+"""The OpenAPI 3.1 description of the REST API, served at /openapi.json.
+
+It must say what `protocols.rest_input` accepts and `protocols.rest` answers, no more and no less:
+tests/unit/protocols/test_openapi.py checks the request schemas against the parser value by value, the
+paths against the routes the server registers, and real replies against the response schemas.
+"""
 
 from __future__ import annotations
 
 from typing import Any
+
+from protocols.rest_input import _MAX_SEED, _MAX_STOP, _MAX_TOP_K, _MIN_SEED
 
 
 def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
+def _json(schema: dict[str, Any], description: str, headers: dict[str, Any] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"description": description, "content": {"application/json": {"schema": schema}}}
+    if headers:
+        out["headers"] = headers
+    return out
 
 
-_ERRORS = {
-    str(code): _json(_ref("Error"), text)
-    for code, text in (
-        (400, "Malformed request (the message names the field)"),
-        (401, "Missing or invalid API key"),
-        (403, "Not allowed for this tenant or by policy"),
-        (404, "Unknown model"),
-        (413, "Request body too large"),
-        (429, "Throttled by admission limits; see Retry-After"),
-        (503, "No engine available, or the gateway is draining"),
-        (504, "Deadline passed while queued or generating"),
-    )
+def _object(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "object", "properties": properties}
+    if required:
+        out["required"] = list(required)
+    return out
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` or null: the parser treats an optional field sent as null like an absent one."""
+    out = dict(schema)
+    if "const" in out:
+        out["enum"] = [out.pop("const")]
+    if "enum" in out:
+        out["enum"] = [*out["enum"], None]
+    if "type" in out:
+        out["type"] = [out["type"], "null"]
+    if "oneOf" in out:
+        out["oneOf"] = [*out["oneOf"], {"type": "null"}]
+    return out
+
+
+def _request(properties: dict[str, Any], required: tuple[str, ...], example: dict[str, Any]) -> dict[str, Any]:
+    props = {name: s if name in required else _nullable(s) for name, s in properties.items()}
+    return {**_object(props, required), "examples": [example]}
+
+
+def _unsupported(schema: dict[str, Any], accepted: str) -> dict[str, Any]:
+    return {**schema, "description": f"Not supported: only {accepted} is accepted (anything else is a 400)"}
+
+
+_REQUEST_ID_HEADER = {
+    "description": "The request's id: the client's X-Request-Id when usable, else one made up",
+    "schema": {"type": "string"},
+}
+_RETRY_AFTER = {"description": "Seconds to wait before retrying", "schema": {"type": "integer", "minimum": 1}}
+
+_ERROR_TEXTS = {
+    400: "Malformed request (the message names the field, `param` too where there is one)",
+    401: "Missing or invalid API key",
+    403: "Not allowed for this tenant or by policy",
+    404: "Unknown model (or adapter)",
+    413: "Request body too large",
+    429: "Throttled by admission limits; see Retry-After",
+    500: "Internal error",
+    503: "No engine available, or the gateway is draining",
+    504: "Deadline passed while queued or generating",
 }
 
-_SAMPLING = {
-    "model": {"type": "string", "description": "'base', 'base:ADAPTER' or 'ADAPTER'"},
+
+def _errors(*codes: int) -> dict[str, Any]:
+    out = {}
+    for code in codes:
+        headers = {"X-Request-Id": _REQUEST_ID_HEADER}
+        if code in (429, 503):
+            headers["Retry-After"] = _RETRY_AFTER
+        out[str(code)] = _json(_ref("Error"), _ERROR_TEXTS[code], headers)
+    return out
+
+
+_SAMPLING: dict[str, Any] = {
+    "model": {"type": "string", "minLength": 1, "description": "'base', 'base:ADAPTER' or 'ADAPTER'"},
     "max_tokens": {"type": "integer", "minimum": 1},
     "temperature": {"type": "number", "minimum": 0, "maximum": 2},
     "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "top_k": {"type": "integer", "minimum": 0, "description": "Extension: 0 = off"},
-    "seed": {"type": "integer"},
-    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
-    "n": {"type": "integer", "enum": [1]},
+    "top_k": {"type": "integer", "minimum": 0, "maximum": _MAX_TOP_K, "description": "Extension: 0 = off"},
+    "seed": {"type": "integer", "minimum": _MIN_SEED, "maximum": _MAX_SEED},
+    "stop": {
+        "description": "Empty strings are ignored",
+        "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": _MAX_STOP}],
+    },
+    "n": {"type": "integer", "enum": [1], "description": "Only one choice per request"},
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     "user": {"type": "string", "description": "Also the routing key when X-Routing-Key is absent"},
+    "frequency_penalty": _unsupported({"type": "number", "const": 0}, "0"),
+    "presence_penalty": _unsupported({"type": "number", "const": 0}, "0"),
+    "logit_bias": _unsupported({"type": "object", "maxProperties": 0}, "{}"),
 }
 
 _HEADERS = [
-    {"name": "X-Request-Id", "in": "header", "schema": {"type": "string", "maxLength": 128}},
+    {
+        "name": "X-Request-Id",
+        "in": "header",
+        "schema": {"type": "string", "pattern": "^[!-~]{1,128}$"},
+        "description": "Echoed back, and in every SSE chunk's id; a value that does not match is replaced "
+        "by a made-up id, not refused",
+    },
     {
         "name": "X-Routing-Key",
         "in": "header",
@@ -52,103 +119,189 @@ _HEADERS = [
     {
         "name": "X-Request-Timeout",
         "in": "header",
-        "schema": {"type": "number"},
+        "schema": {"type": "number", "exclusiveMinimum": 0},
         "description": "Seconds; may only shorten the configured deadline",
     },
 ]
 
-_SSE = {"text/event-stream": {"schema": {"type": "string", "description": "data: {chunk} ... data: [DONE]"}}}
+_PUBLIC: list[dict[str, list[str]]] = []  # security: none
 
 
-def openapi_document(model_name: str) -> dict[str, Any]:
-    """The API description; `model_name` is the base model behind "base"."""
-    usage = {
-        "type": "object",
-        "properties": {k: {"type": "integer"} for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
-    }
-    message = {
-        "type": "object",
-        "required": ["role", "content"],
-        "properties": {
-            "role": {"enum": ["system", "developer", "user", "assistant"]},
-            "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+def _schemas() -> dict[str, Any]:
+    usage = _object({k: {"type": "integer"} for k in ("prompt_tokens", "completion_tokens", "total_tokens")})
+    usage["required"] = list(usage["properties"])
+    finish = {"type": "string", "enum": ["stop", "length"]}
+    text_part = _object({"type": {"const": "text"}, "text": {"type": "string"}}, ("type", "text"))
+    message = _object(
+        {
+            "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+            "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": text_part}]},
         },
+        ("role", "content"),
+    )
+    head = ("id", "object", "created", "model", "choices")
+
+    def reply(kind: str, choice: dict[str, Any], *, chunk: bool) -> dict[str, Any]:
+        properties = {
+            "id": {"type": "string"},
+            "object": {"const": kind},
+            "created": {"type": "integer"},
+            "model": {"type": "string", "description": "The request's model, as written"},
+            "choices": {"type": "array", "items": choice, "maxItems": 1},
+            "usage": _ref("Usage"),
+        }
+        if chunk:
+            properties["usage"] = {
+                **_ref("Usage"),
+                "description": "With stream_options.include_usage, in a last chunk whose choices is []",
+            }
+            return _object(properties, head)
+        return _object(properties, (*head, "usage"))
+
+    chat_choice = {
+        "index": {"const": 0},
+        "message": _object({"role": {"const": "assistant"}, "content": {"type": "string"}}, ("role", "content")),
+        "logprobs": {"type": "null"},
+        "finish_reason": finish,
     }
-    schemas: dict[str, Any] = {
-        "Error": {
-            "type": "object",
-            "properties": {
-                "error": {
-                    "type": "object",
-                    "properties": {
+    chunk_choice = {
+        "index": {"const": 0},
+        "delta": _object({"role": {"const": "assistant"}, "content": {"type": "string"}}),
+        "logprobs": {"type": "null"},
+        "finish_reason": _nullable(finish),
+    }
+    text_choice = {"index": {"const": 0}, "text": {"type": "string"}, "logprobs": {"type": "null"}}
+    return {
+        "Error": _object(
+            {
+                "error": _object(
+                    {
                         "message": {"type": "string"},
                         "type": {"type": "string"},
                         "param": {"type": ["string", "null"]},
                         "code": {"type": ["string", "null"]},
                     },
-                }
+                    ("message", "type", "param", "code"),
+                )
             },
-        },
+            ("error",),
+        ),
         "Usage": usage,
         "ChatMessage": message,
-        "ChatCompletionRequest": {
-            "type": "object",
-            "required": ["model", "messages"],
-            "properties": {
+        "ChatCompletionRequest": _request(
+            {
                 **_SAMPLING,
                 "messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
-                "max_completion_tokens": {"type": "integer", "minimum": 1},
+                "max_completion_tokens": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "description": "Takes precedence over max_tokens",
+                },
+                "tools": _unsupported({"type": "array", "maxItems": 0}, "[]"),
+                "functions": _unsupported({"type": "array", "maxItems": 0}, "[]"),
+                "tool_choice": _unsupported({"type": "string", "const": "none"}, '"none"'),
+                "response_format": _unsupported(_object({"type": {"const": "text"}}, ("type",)), '{"type": "text"}'),
+                "logprobs": _unsupported({"type": "boolean", "const": False}, "false"),
+                "top_logprobs": _unsupported({"type": "integer", "const": 0}, "0"),
             },
-        },
-        "CompletionRequest": {
-            "type": "object",
-            "required": ["model", "prompt"],
-            "properties": {**_SAMPLING, "prompt": {"type": "string"}},
-        },
-        "ChatCompletion": {
-            "type": "object",
-            "properties": {
+            ("model", "messages"),
+            {"model": "pirate", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+        ),
+        "CompletionRequest": _request(
+            {
+                **_SAMPLING,
+                "prompt": {
+                    "oneOf": [
+                        {"type": "string"},
+                        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+                    ],
+                    "description": "One text prompt (a list of exactly one string is accepted)",
+                },
+                "logprobs": _unsupported({"type": "integer", "const": 0}, "0"),
+                "echo": _unsupported({"type": "boolean", "const": False}, "false"),
+                "suffix": _unsupported({"type": "string", "maxLength": 0}, '""'),
+                "best_of": _unsupported({"type": "integer", "enum": [1]}, "1"),
+            },
+            ("model", "prompt"),
+            {"model": "base", "prompt": "Once upon a time", "max_tokens": 16},
+        ),
+        "ChatCompletion": reply("chat.completion", _object(chat_choice, tuple(chat_choice)), chunk=False),
+        "ChatCompletionChunk": reply("chat.completion.chunk", _object(chunk_choice, tuple(chunk_choice)), chunk=True),
+        "Completion": reply(
+            "text_completion",
+            _object({**text_choice, "finish_reason": finish}, (*text_choice, "finish_reason")),
+            chunk=False,
+        ),
+        "CompletionChunk": reply(
+            "text_completion",
+            _object({**text_choice, "finish_reason": _nullable(finish)}, (*text_choice, "finish_reason")),
+            chunk=True,
+        ),
+        "Model": _object(
+            {
                 "id": {"type": "string"},
-                "object": {"const": "chat.completion"},
+                "object": {"const": "model"},
                 "created": {"type": "integer"},
-                "model": {"type": "string"},
-                "choices": {"type": "array", "items": {"type": "object"}},
-                "usage": _ref("Usage"),
+                "owned_by": {"type": "string"},
+                "root": {"type": "string", "description": "The base model"},
             },
-        },
-        "Completion": {
-            "type": "object",
-            "properties": {
-                "id": {"type": "string"},
-                "object": {"const": "text_completion"},
-                "created": {"type": "integer"},
-                "model": {"type": "string"},
-                "choices": {"type": "array", "items": {"type": "object"}},
-                "usage": _ref("Usage"),
-            },
-        },
-        "Model": {
-            "type": "object",
-            "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "owned_by": {"type": "string"}},
-        },
+            ("id", "object", "created", "owned_by"),
+        ),
+        "ModelList": _object(
+            {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}, ("object", "data")
+        ),
+        "Health": _object(
+            {"status": {"type": "string", "enum": ["ok", "unavailable"]}, "detail": {"type": "string"}},
+            ("status", "detail"),
+        ),
     }
 
-    def generate(summary: str, request: str, reply: str) -> dict[str, Any]:
-        return {
-            "post": {
-                "summary": summary,
-                "parameters": _HEADERS,
-                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
-                "responses": {
-                    "200": {
-                        "description": "JSON reply, or SSE chunks when stream is true",
-                        "content": {"application/json": {"schema": _ref(reply)}, **_SSE},
-                    },
-                    **_ERRORS,
-                },
-            }
-        }
 
+def _generate(summary: str, request: str, reply: str, chunk: str) -> dict[str, Any]:
+    sse = {
+        "schema": {
+            "type": "string",
+            "description": f"`data: {{{chunk}}}` events, then `data: [DONE]`; an error after the stream "
+            "started arrives as one `data: {Error}` event before `data: [DONE]`",
+        }
+    }
+    return {
+        "post": {
+            "summary": summary,
+            "parameters": _HEADERS,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+            "responses": {
+                "200": {
+                    "description": "JSON reply, or SSE chunks when stream is true",
+                    "headers": {
+                        "X-Request-Id": _REQUEST_ID_HEADER,
+                        "X-Adapter-Version": {
+                            "description": "The adapter version that answered (JSON replies to adapter requests)",
+                            "schema": {"type": "string"},
+                        },
+                    },
+                    "content": {"application/json": {"schema": _ref(reply)}, "text/event-stream": sse},
+                },
+                **_errors(400, 401, 403, 404, 413, 429, 500, 503, 504),
+            },
+        }
+    }
+
+
+def _admin(summary: str, ok: dict[str, Any], *errors: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "tags": ["admin"],
+        "security": [{"admin": []}],
+        "responses": {"200": _json(ok, "OK"), **_errors(401, 403, 500, 503, *errors)},
+        **extra,
+    }
+
+
+def openapi_document(model_name: str) -> dict[str, Any]:
+    """The API description; `model_name` is the base model behind "base"."""
+    adapter_name = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]
+    manifests = _object({"manifests": {"type": "array", "items": {"type": "object"}, "minItems": 1}}, ("manifests",))
     return {
         "openapi": "3.1.0",
         "info": {
@@ -157,38 +310,93 @@ def openapi_document(model_name: str) -> dict[str, Any]:
             "description": f"OpenAI-compatible API over {model_name} and its LoRA adapters.",
         },
         "components": {
-            "schemas": schemas,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": _schemas(),
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer", "description": "A tenant's API key"},
+                "admin": {"type": "http", "scheme": "bearer", "description": "An admin API key"},
+            },
         },
         "security": [{"bearer": []}],
         "paths": {
-            "/v1/chat/completions": generate("Chat completion", "ChatCompletionRequest", "ChatCompletion"),
-            "/v1/completions": generate("Text completion", "CompletionRequest", "Completion"),
+            "/v1/chat/completions": _generate(
+                "Chat completion", "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"
+            ),
+            "/v1/completions": _generate("Text completion", "CompletionRequest", "Completion", "CompletionChunk"),
             "/v1/models": {
                 "get": {
                     "summary": "Models this tenant may use: base and its adapters",
-                    "responses": {
-                        "200": _json(
-                            {"type": "object", "properties": {"data": {"type": "array", "items": _ref("Model")}}},
-                            "Model list",
-                        ),
-                        "401": _ERRORS["401"],
-                    },
+                    "responses": {"200": _json(_ref("ModelList"), "Model list"), **_errors(401, 500, 503)},
+                }
+            },
+            "/v1/models/{model}": {
+                "get": {
+                    "summary": "One model of /v1/models",
+                    "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                    "responses": {"200": _json(_ref("Model"), "The model"), **_errors(401, 404, 500, 503)},
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    "summary": "This document",
+                    "security": _PUBLIC,
+                    "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1 document")},
                 }
             },
             "/healthz": {
                 "get": {
                     "summary": "Readiness",
-                    "security": [],
-                    "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}},
+                    "security": _PUBLIC,
+                    "responses": {
+                        "200": _json(_ref("Health"), "ready"),
+                        "503": _json(_ref("Health"), "not ready, or draining"),
+                    },
                 }
             },
             "/metrics": {
                 "get": {
                     "summary": "Prometheus metrics",
-                    "security": [],
-                    "responses": {"200": {"description": "text exposition"}},
+                    "security": _PUBLIC,
+                    "responses": {"200": {"description": "Prometheus text exposition"}},
                 }
+            },
+            "/admin/adapters": {
+                "post": _admin(
+                    "Create or update AdapterInstance manifests",
+                    _object({"applied": {"type": "array", "items": {"type": "object"}}}, ("applied",)),
+                    400,
+                    413,
+                    requestBody={
+                        "required": True,
+                        "content": {
+                            "application/json": {"schema": manifests},
+                            "application/yaml": {"schema": {"type": "string", "description": "YAML manifests"}},
+                        },
+                    },
+                ),
+                "get": _admin(
+                    "Every adapter, with its residency on the engines",
+                    _object({"adapters": {"type": "array", "items": {"type": "object"}}}, ("adapters",)),
+                ),
+            },
+            "/admin/adapters/{name}": {
+                "get": _admin("One adapter, with its residency", {"type": "object"}, 404, parameters=adapter_name),
+                "delete": _admin(
+                    "Delete an adapter",
+                    _object({"deleted": {"type": "string"}}, ("deleted",)),
+                    404,
+                    parameters=adapter_name,
+                ),
+            },
+            "/admin/queues": {
+                "get": _admin(
+                    "Per-tenant queue state",
+                    _object({"tenants": {"type": "object"}, "total_depth": {"type": "integer"}}, ("tenants",)),
+                )
+            },
+            "/admin/engines": {
+                "get": _admin(
+                    "Engine replicas and their adapters", _object({"engines": {"type": "object"}}, ("engines",))
+                )
             },
         },
     }

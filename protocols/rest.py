@@ -38,7 +38,7 @@ from gateway.api import (
 )
 from gateway.errors import GatewayError, InvalidRequest, Status, Unauthenticated
 from protocols.openapi import openapi_document
-from protocols.rest_input import FieldError, ParsedBody, parse_chat, parse_completion
+from protocols.rest_input import ParsedBody, parse_chat, parse_completion
 
 log = logging.getLogger("adaptergate.rest")
 _tracer = trace.get_tracer("adaptergate.rest")
@@ -177,13 +177,22 @@ class RestServer:
             return response
         self._active += 1
         self._idle.clear()
+        # Refusals before a request reaches the gateway echo the client's id too, as OpenAI's errors carry theirs.
+        echo = _given_request_id(request.headers.get("X-Request-Id"))
         try:
             return await handler(request)
         except GatewayError as e:
-            return error_response(e.status, e.message, param=getattr(e, "param", None), retry_after_s=e.retry_after_s)
+            return error_response(
+                e.status,
+                e.message,
+                param=getattr(e, "param", None),
+                retry_after_s=e.retry_after_s,
+                request_id=echo,
+            )
         except HttpError as e:
             body = error_body(e.message, e.kind, None, e.code or None)
-            return web.Response(status=e.http_status, body=body, content_type="application/json")
+            headers = {"X-Request-Id": echo} if echo else None
+            return web.Response(status=e.http_status, body=body, content_type="application/json", headers=headers)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -227,7 +236,9 @@ class RestServer:
         tenant = self._tenant(request)
         name = request.match_info["model"]
         if name not in self._gateway.models_for(tenant):
-            raise _model_not_found(name)
+            # The same code as a completion request for an unknown model gets (see _event_error).
+            message = f"The model {name!r} does not exist or you do not have access to it."
+            return error_response(Status.NOT_FOUND, message, param="model", code="model_not_found")
         return web.json_response(self._model_entry(name))
 
     async def _openapi_json(self, request: web.Request) -> web.Response:
@@ -439,10 +450,6 @@ def _event_error(event: Error, request_id: str) -> web.Response:
     )
 
 
-def _model_not_found(name: str) -> GatewayError:
-    return FieldError(Status.NOT_FOUND, f"The model {name!r} does not exist or you do not have access to it.", "model")
-
-
 def _usage(done: Done) -> dict[str, int]:
     u = done.usage
     return {
@@ -453,9 +460,14 @@ def _usage(done: Done) -> dict[str, int]:
 
 
 def _request_id(given: str | None) -> str:
+    return _given_request_id(given) or uuid.uuid4().hex
+
+
+def _given_request_id(given: str | None) -> str | None:
+    """The client's X-Request-Id if it is usable (1-128 printable ASCII characters, no spaces), else None."""
     if given and len(given) <= _MAX_REQUEST_ID and given.isascii() and given.isprintable() and " " not in given:
         return given
-    return uuid.uuid4().hex
+    return None
 
 
 def _positive_seconds(value: str) -> float:

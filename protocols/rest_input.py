@@ -1,7 +1,8 @@
 """Validation of OpenAI request bodies: JSON in, a `ParsedBody` out, or a `FieldError` naming the field.
 
 Only what the gateway can honour is accepted; anything it would silently ignore in a way that changes
-the answer (n > 1, logprobs, tools, several prompts) is refused with a 400 that says so.
+the answer (n > 1, logprobs, tools, penalties, several prompts) is refused with a 400 that says so.
+protocols/openapi.py describes exactly this; tests/unit/protocols/test_openapi.py holds the two together.
 """
 
 from __future__ import annotations
@@ -53,19 +54,17 @@ def parse_chat(data: object, base_name: str) -> ParsedBody:
         raise _bad("messages must be a non-empty array of {role, content} objects", "messages")
     messages = tuple(_message(item, i) for i, item in enumerate(raw))
     for name in ("tools", "functions"):
-        if body.get(name):
-            raise _bad(f"{name} are not supported", name)
-    if body.get("tool_choice") not in (None, "none"):
-        raise _bad("tool_choice is not supported", "tool_choice")
+        _no_op(body, name, f"{name} are not supported", [])
+    _no_op(body, "tool_choice", "tool_choice is not supported", "none")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise _bad('only response_format {"type": "text"} is supported', "response_format")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise _bad("logprobs are not supported", "logprobs")
-    max_tokens = _int(body, "max_completion_tokens", 1)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1)
-    return _common(body, base_name, None, messages, max_tokens)
+    _no_op(body, "logprobs", "logprobs are not supported", False)
+    _no_op(body, "top_logprobs", "logprobs are not supported", 0)
+    # Both are checked; the newer max_completion_tokens wins when a client sends both.
+    max_tokens = _int(body, "max_tokens", 1)
+    newer = _int(body, "max_completion_tokens", 1)
+    return _common(body, base_name, None, messages, max_tokens if newer is None else newer)
 
 
 def parse_completion(data: object, base_name: str) -> ParsedBody:
@@ -79,12 +78,9 @@ def parse_completion(data: object, base_name: str) -> ParsedBody:
     if not isinstance(prompt, str):
         raise _bad("prompt must be a string (token-id prompts are not supported)", "prompt")
     _text(prompt, "prompt")
-    if body.get("logprobs") not in (None, 0):
-        raise _bad("logprobs are not supported", "logprobs")
-    if body.get("echo"):
-        raise _bad("echo is not supported", "echo")
-    if body.get("suffix"):
-        raise _bad("suffix is not supported", "suffix")
+    _no_op(body, "logprobs", "logprobs are not supported", 0)
+    _no_op(body, "echo", "echo is not supported", False)
+    _no_op(body, "suffix", "suffix is not supported", "")
     best_of = _int(body, "best_of", 1)
     if best_of not in (None, 1):
         raise _bad("best_of > 1 is not supported", "best_of")
@@ -132,6 +128,10 @@ def _common(
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise _bad("user must be a string", "user")
+    # No sampler knob for these: anything but the no-op value would change the answer unannounced.
+    for name in ("frequency_penalty", "presence_penalty"):
+        _no_op(body, name, f"{name} is not supported (only 0)", 0, 0.0)
+    _no_op(body, "logit_bias", "logit_bias is not supported", {})
     temperature = _number(body, "temperature", 0.0, 2.0)
     top_p = _number(body, "top_p", 0.0, 1.0)
     sampling = SamplingParams(
@@ -158,6 +158,13 @@ def _object(data: object) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise _bad("request body must be a JSON object")
     return data
+
+
+def _no_op(body: dict[str, Any], name: str, message: str, *accepted: object) -> None:
+    """Refuse an unsupported field unless it is absent, null, or one of its no-op values (same JSON type)."""
+    value = body.get(name)
+    if value is not None and not any(type(value) is type(a) and value == a for a in accepted):
+        raise _bad(message, name)
 
 
 def _message(item: object, index: int) -> ChatMessage:

@@ -209,6 +209,20 @@ async def test_completion_stream_without_usage(
             "surrogate",
         ),
         ("/v1/chat/completions", _chat(stop=["ok", "\ud800"]), "stop", "unpaired surrogate"),
+        # Once unchecked whenever max_completion_tokens was present.
+        ("/v1/chat/completions", _chat(max_completion_tokens=5, max_tokens="x"), "max_tokens", "must be an integer"),
+        # Once silently ignored, so the answer was not what the client asked for.
+        ("/v1/chat/completions", _chat(frequency_penalty=0.5), "frequency_penalty", "not supported"),
+        (
+            "/v1/completions",
+            {"model": "base", "prompt": "x", "presence_penalty": -1},
+            "presence_penalty",
+            "not supported",
+        ),
+        ("/v1/chat/completions", _chat(logit_bias={"50256": -100}), "logit_bias", "not supported"),
+        ("/v1/chat/completions", _chat(tools={}), "tools", "not supported"),
+        ("/v1/chat/completions", _chat(top_logprobs=2), "top_logprobs", "not supported"),
+        ("/v1/completions", {"model": "base", "prompt": "x", "echo": 0}, "echo", "not supported"),
     ],
 )
 async def test_bad_input_is_a_400_naming_the_problem(
@@ -227,6 +241,21 @@ async def test_bad_input_is_a_400_naming_the_problem(
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert message in error["message"]
     assert gateway.requests == []
+
+
+async def test_no_op_values_of_unsupported_fields_are_accepted(
+    rest: tuple[RestServer, FakeGateway, str], http: aiohttp.ClientSession
+) -> None:
+    _, gateway, url = rest
+    no_ops = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "tools": [], "tool_choice": "none"}
+    body = _chat(**no_ops, logprobs=False, top_logprobs=0, max_tokens=9, max_completion_tokens=5)
+    async with http.post(f"{url}/v1/chat/completions", json=body, headers=KEY) as r:
+        assert r.status == 200
+    body = {"model": "base", "prompt": "x", **no_ops, "logprobs": 0, "echo": False, "suffix": "", "best_of": 1}
+    del body["tools"], body["tool_choice"]
+    async with http.post(f"{url}/v1/completions", json=body, headers=KEY) as r:
+        assert r.status == 200
+    assert gateway.requests[0].sampling.max_tokens == 5  # max_completion_tokens wins
 
 
 @pytest.mark.parametrize(
