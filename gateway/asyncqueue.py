@@ -148,7 +148,9 @@ class AsyncFairQueue(Generic[SlotT]):
         return len(entries)
 
     def _abandon(self, ticket: Ticket[SlotT]) -> None:
-        if self.queue.remove(ticket.entry.request_id) is not None:
+        # By identity: once the pump or `fail_waiting` let go of this entry, a new request may already
+        # be queued under the same id before this cleanup runs.
+        if self.queue.remove(ticket.entry.request_id, ticket.entry) is not None:
             return
         waiter = ticket.waiter
         if waiter.done() and not waiter.cancelled() and waiter.exception() is None:

@@ -66,7 +66,10 @@ class TenantStats:
 
 
 class _RateMeter:
-    """Recent throughput as an exponentially weighted average, bias-corrected while it warms up."""
+    """Recent throughput as an exponentially weighted average, bias-corrected while it warms up.
+
+    Time without work is skipped (`skip_idle`): an idle tenant's throughput is unknown, not zero.
+    """
 
     __slots__ = ("_level", "_start", "_when")
 
@@ -84,6 +87,13 @@ class _RateMeter:
         # Before a full window has passed the average would otherwise understate the rate.
         span = 1.0 - math.exp(-max(now - self._start, 1e-3) / _RATE_WINDOW_S)
         return self._level / (_RATE_WINDOW_S * span)
+
+    def skip_idle(self, now: float) -> None:
+        """Nothing was queued or running since the last update: let that time neither decay the
+        average nor count as warm-up."""
+        if now > self._when:
+            self._start += now - self._when
+            self._when = now
 
     def _decay(self, now: float) -> None:
         if now > self._when:
@@ -155,6 +165,12 @@ class FairQueue:
         if entry.cost_tokens < 0 or entry.cost_tokens > cap:
             raise InvalidRequest(f"request needs {entry.cost_tokens} tokens (prompt + max_tokens); the limit is {cap}")
         now = self._clock()
+        # Without this, a tenant (or gateway) back from a few idle minutes would read its throughput as
+        # about zero and be told to retry after the maximum, unlike one that was never served at all.
+        if state.depth == 0 and state.reserved == 0:
+            state.rate.skip_idle(now)
+        if not self._queued and self._reserved == 0:
+            self._rate.skip_idle(now)
         self._admit(state, entry.cost_tokens, now)
 
         queue = state.bands.get(entry.priority)
@@ -190,11 +206,15 @@ class FairQueue:
         self._reserved += entry.cost_tokens
         return entry
 
-    def remove(self, request_id: str) -> QueueEntry | None:
-        """Drop a still-queued request (its client went away); None if it is not queued."""
-        entry = self._queued.get(request_id)
-        if entry is None:
+    def remove(self, request_id: str, entry: QueueEntry | None = None) -> QueueEntry | None:
+        """Drop a still-queued request (its client went away); None if it is not queued.
+
+        With `entry`, only that very entry is dropped, not a newer request that reuses its id.
+        """
+        queued = self._queued.get(request_id)
+        if queued is None or (entry is not None and queued is not entry):
             return None
+        entry = queued
         self._unqueue(self._states[entry.tenant], entry)
         return entry
 
@@ -225,10 +245,12 @@ class FairQueue:
         """Release a popped entry's reservation; `used_tokens` is what it really consumed in all.
 
         Tokens of `used_tokens` not yet passed to `charge` (e.g. prompt tokens, which never stream)
-        are charged now. Unknown or already finished entries are ignored.
+        are charged now. Unknown or already finished entries are ignored, and so is an entry whose
+        id a newer request has taken since (its cleanup may run after the id was queued again).
         """
-        if self._dispatched.pop(entry.request_id, None) is None:
+        if self._dispatched.get(entry.request_id) is not entry:
             return
+        del self._dispatched[entry.request_id]
         state = self._states[entry.tenant]
         state.reserved -= entry.cost_tokens
         self._reserved -= entry.cost_tokens

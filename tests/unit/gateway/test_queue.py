@@ -305,7 +305,7 @@ def test_finish_totals_exact_with_interleaved_requests() -> None:
 def test_randomized_invariants() -> None:
     """Random pushes/pops/removals/expiries never break the bookkeeping or the limits."""
     rng = random.Random(1234)
-    tenants = [
+    tenants: list[dict[str, Any]] = [
         {
             "name": f"t{i}",
             "weight": rng.choice([1, 2, 5]),
@@ -365,3 +365,49 @@ def test_randomized_invariants() -> None:
             assert s.queued_tokens == sum(e.cost_tokens for e in live.values() if e.tenant == name)
         held = sum(s.in_flight_tokens + s.queued_tokens for s in stats.values())
         assert held <= 12_000
+
+
+def test_finishing_a_stale_entry_leaves_a_newer_one_with_its_id_alone() -> None:
+    """A late cleanup of a request must not settle a newer request that reuses its id."""
+    queue, _ = _queue(_big("a"))
+    old = QueueEntry("x", "a", 0, 100, 0.0, None, None)
+    queue.push(old)
+    assert queue.pop() is old
+    queue.finished(old, 0)
+    new = QueueEntry("x", "a", 0, 300, 0.0, None, None)
+    queue.push(new)
+    assert queue.remove("x", old) is None
+    assert queue.pop() is new
+    queue.started(new)
+    queue.finished(old, 0)  # the old request's cleanup, late
+    stats = queue.stats()["a"]
+    assert (stats.in_flight_requests, stats.in_flight_tokens) == (1, 300)
+    queue.finished(new, 40)
+    stats = queue.stats()["a"]
+    assert (stats.in_flight_requests, stats.in_flight_tokens, stats.served_tokens) == (0, 0, 40)
+
+
+def _retry_hint(queue: FairQueue, tenant: str, pushes: int) -> float | None:
+    """Push `pushes` requests, the last one refused; return its Retry-After and empty the queue again."""
+    for _ in range(pushes - 1):
+        queue.push(_entry(tenant))
+    with pytest.raises(Throttled) as caught:
+        queue.push(_entry(tenant))
+    while (entry := queue.pop()) is not None:
+        queue.finished(entry, 0)
+    return caught.value.retry_after_s
+
+
+@pytest.mark.parametrize("idle_s", [10.0, 300.0])
+def test_retry_after_does_not_count_idle_time_as_slow_service(idle_s: float) -> None:
+    """A tenant (or the whole gateway) back from idling is told the recent serving rate, not the cap."""
+    limits = QueueLimits(max_total_depth=3)
+    queue, clock = _queue({"name": "a", "limits": {"max_queue_depth": 2}}, _big("b"), limits=limits)
+    queue.push(_entry("a"))
+    _serve(queue, clock, 1)  # 100 tokens in 0.1 s: about 1000 tokens/s
+    assert _retry_hint(queue, "a", 3) == pytest.approx(0.1, rel=0.05)
+    assert _retry_hint(queue, "b", 4) == pytest.approx(0.1, rel=0.05)
+    clock.now += idle_s  # nothing queued or running meanwhile
+    assert _retry_hint(queue, "a", 3) == pytest.approx(0.1, rel=0.05)
+    clock.now += idle_s
+    assert _retry_hint(queue, "b", 4) == pytest.approx(0.1, rel=0.05)
