@@ -145,6 +145,8 @@ class Gateway:
                 if not self.pool.healthy_count():
                     raise _no_engine()
                 resolved = await self._admit(request)
+                if not self.pool.healthy_count():  # the last engine went away during the policy check
+                    raise _no_engine()
                 engine_name = resolved.engine_name if resolved is not None else None
                 cost = self._cost(request)
                 queue_span = _tracer.start_span("gateway.queue", context=parent)

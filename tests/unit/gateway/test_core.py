@@ -417,3 +417,32 @@ async def test_each_engine_call_has_its_own_id() -> None:
             assert isinstance(events[-1], Done), events
             first, second = (r.request_id for r in slow.requests_seen)
             assert first != second and _client_ids(slow) == ["same", "same"]
+
+
+class HeldPolicy:
+    """Allows everything, once `release` is set (a policy server that takes its time)."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = asyncio.Event(), asyncio.Event()
+
+    async def check(self, item: PolicyInput) -> PolicyDecision:
+        self.entered.set()
+        await self.release.wait()
+        return PolicyDecision(True, "")
+
+
+async def test_losing_the_last_engine_during_the_policy_check_fails_fast() -> None:
+    # Engines were checked only before the (awaited) policy check: a request that passed it after the last
+    # engine died was queued with no engine left to serve it, and waited until its deadline, or forever.
+    engine = FastEngineFixture(FastEngineOptions(chunks=4))
+    await engine.start()
+    policy = HeldPolicy()
+    async with _gateway([engine], policy=policy) as gateway:
+        pending = asyncio.create_task(_run(gateway, _req("late")))
+        await asyncio.wait_for(policy.entered.wait(), 5)
+        await engine.stop(0)
+        await _until(lambda: gateway.pool.healthy_count() == 0)
+        policy.release.set()
+        events = await asyncio.wait_for(pending, 5)
+        assert isinstance(events[-1], Error) and events[-1].status is Status.UNAVAILABLE
+        assert gateway.queue_stats()["alice"].depth == 0
