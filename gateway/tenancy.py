@@ -18,6 +18,7 @@ from gateway.errors import InvalidRequest, NotFound, Unauthenticated
 
 _HASH_RE = re.compile(r"sha256:[0-9a-f]{64}")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+_MIN_WEIGHT, _MAX_WEIGHT = 1e-6, 1e6
 _ENTRY_FIELDS = frozenset({"name", "api_keys", "plain_api_keys", "weight", "priority", "limits", "allowed_adapters"})
 _LIMIT_FIELDS = frozenset({"max_queue_depth", "max_tokens_in_flight"})
 
@@ -135,8 +136,10 @@ def _parse_entry(index: int, entry: object) -> tuple[Tenant, list[str]]:
     weight = entry.get("weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, int | float) or not _finite(weight):
         raise InvalidRequest(f"{where}.weight: must be a positive number")
-    if weight <= 0:
-        raise InvalidRequest(f"{where}.weight: must be a positive number")
+    # Bounded: the fair queue's virtual counters grow as tokens / weight, and one tenant's counter lifts those
+    # of tenants coming back; at 1e-300 it reached 1e302, where the others' increments vanish in rounding.
+    if not _MIN_WEIGHT <= weight <= _MAX_WEIGHT:
+        raise InvalidRequest(f"{where}.weight: must be between {_MIN_WEIGHT:g} and {_MAX_WEIGHT:g}, got {weight}")
     priority = entry.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise InvalidRequest(f"{where}.priority: must be an integer")

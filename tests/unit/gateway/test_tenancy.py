@@ -104,6 +104,9 @@ def test_may_use() -> None:
         ({"name": "a", 1: "x", "zz": 2}, "tenants[0].1"),
         ({"name": "a", "limits": {None: 1, "x": 2}}, "limits.None"),
         ({"name": "a", "weight": 10**400}, "weight"),
+        # A weight this small once broke fairness for every tenant of its band (counters past float precision).
+        ({"name": "a", "weight": 1e-300}, "weight: must be between"),
+        ({"name": "a", "weight": 1e9}, "weight: must be between"),
     ],
 )
 def test_from_config_names_the_bad_field(entry: dict[str, Any], field: str) -> None:
