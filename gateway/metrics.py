@@ -36,6 +36,8 @@ _LATENCY_BUCKETS = (
     30.0,
     60.0,
     120.0,
+    300.0,
+    600.0,  # the default request deadline (server.request_timeout_s): long generations stay resolvable
 )
 
 

@@ -39,7 +39,20 @@ class JsonFormatter(logging.Formatter):
             out["trace_id"] = f"{context.trace_id:032x}"
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
+        try:
+            return json.dumps(out, default=str, allow_nan=False)
+        except (TypeError, ValueError):
+            # NaN or infinity (not JSON), keys json cannot write: such fields go as text, not as a line that
+            # log parsers refuse or a logging error instead of the line.
+            return json.dumps({key: _writable(value) for key, value in out.items()}, default=str)
+
+
+def _writable(value: Any) -> Any:
+    try:
+        json.dumps(value, default=str, allow_nan=False)
+    except (TypeError, ValueError):
+        return str(value)
+    return value
 
 
 def setup_logging(level: str, fmt: str) -> None:

@@ -1,9 +1,24 @@
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.fast_engine import FastEngineFixture, FastEngineOptions
+from gateway.api import Done, Event, GatewayRequest, TokenChunk
+from gateway.config import ServerConfig
+from gateway.core import Gateway
+from gateway.engine_client import EnginePool
+from gateway.errors import Unauthenticated
 from gateway.metrics import GatewayMetrics
-from gateway.queue import TenantStats
+from gateway.queue import QueueLimits, TenantStats
+from gateway.registry import AdapterInstance, AdapterVersion, Registry
+from gateway.tenancy import TenantDirectory
+from policy.static import StaticPolicy
 
 
 def _samples(metrics: GatewayMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -79,3 +94,154 @@ def test_two_instances_do_not_share_registries() -> None:
     first.request_done("a", "ok", "rest", 0.1)
     assert b'tenant="a"' in first.render()
     assert b'tenant="a"' not in second.render()
+
+
+def test_latency_buckets_resolve_requests_up_to_the_default_deadline() -> None:
+    # A request may run until its deadline (600 s by default): one of 5 minutes must not read as "over 120 s".
+    metrics = GatewayMetrics()
+    metrics.request_done("alice", "ok", "rest", 119.0)
+    metrics.request_done("alice", "deadline_exceeded", "rest", ServerConfig().request_timeout_s)
+    metrics.first_token("alice", 0.003)
+    samples = _samples(metrics)
+    ok = (("protocol", "rest"), ("status", "ok"), ("tenant", "alice"))
+    late = (("protocol", "rest"), ("status", "deadline_exceeded"), ("tenant", "alice"))
+    bounds = sorted(
+        float(dict(labels)["le"]) for name, labels in samples if name.endswith("_bucket") and ok[0] in labels
+    )
+    finite = [b for b in bounds if b != float("inf")]
+    assert finite[-1] >= ServerConfig().request_timeout_s
+    assert samples[("adaptergate_request_duration_seconds_bucket", (("le", "120.0"), *ok))] == 1
+    assert samples[("adaptergate_request_duration_seconds_bucket", (("le", "120.0"), *late))] == 0
+    assert samples[("adaptergate_request_duration_seconds_bucket", (("le", f"{finite[-1]}"), *late))] == 1
+    # Time to first token resolves single milliseconds.
+    assert samples[("adaptergate_first_token_duration_seconds_bucket", (("le", "0.0025"), ("tenant", "alice")))] == 0
+    assert samples[("adaptergate_first_token_duration_seconds_bucket", (("le", "0.005"), ("tenant", "alice")))] == 1
+
+
+# -- what a real gateway core records, read back from /metrics' text ---------------------------------------
+
+_TENANTS: list[dict[str, Any]] = [
+    {"name": "alice", "plain_api_keys": ["key-a"]},
+    {"name": "bob", "plain_api_keys": ["key-b"], "limits": {"max_queue_depth": 1}},
+]
+
+
+@asynccontextmanager
+async def _gateway(engine: FastEngineFixture, capacity: int = 8) -> AsyncIterator[Gateway]:
+    registry = Registry.open(":memory:")
+    registry.apply(
+        AdapterInstance(name="pirate", base_model="smollm2", versions=(AdapterVersion("v1", "/adapters/pirate", 100),))
+    )
+    async with AsyncExitStack() as stack:
+        pool = await stack.enter_async_context(
+            EnginePool([f"127.0.0.1:{engine.port}"], max_concurrency=capacity, poll_interval_s=0.05, rpc_timeout_s=0.5)
+        )
+        gateway = Gateway(
+            tenants=TenantDirectory.from_config(_TENANTS),
+            policy=StaticPolicy(max_tokens=1000, max_prompt_chars=50),
+            registry=registry,
+            pool=pool,
+            limits=QueueLimits(),
+            default_max_tokens=16,
+            access_log_enabled=False,
+        )
+        yield await stack.enter_async_context(gateway)
+    registry.close()
+
+
+def _req(rid: str, tenant: str = "alice", adapter: str | None = None, prompt: str = "hello") -> GatewayRequest:
+    return GatewayRequest(request_id=rid, tenant=tenant, adapter=adapter, prompt=prompt)
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while True:
+            if condition():
+                return
+            await asyncio.sleep(0.005)
+
+
+async def _first(stream: AsyncIterator[Event]) -> Event:
+    return await anext(stream)
+
+
+def _requests(metrics: GatewayMetrics) -> dict[tuple[str, str, str], float]:
+    """adaptergate_requests_total by (tenant, status, protocol)."""
+    return {
+        (dict(labels)["tenant"], dict(labels)["status"], dict(labels)["protocol"]): value
+        for (name, labels), value in _samples(metrics).items()
+        if name == "adaptergate_requests_total"
+    }
+
+
+async def test_bogus_api_keys_share_one_label_set() -> None:
+    async with FastEngineFixture(FastEngineOptions(chunks=2)) as engine, _gateway(engine) as gateway:
+        for key in ("sk-one", "sk-two", 'quote" and\nnewline', ""):
+            with pytest.raises(Unauthenticated):
+                gateway.authenticate(key)
+        text = gateway.metrics.render().decode()
+        assert _requests(gateway.metrics) == {("-", "unauthenticated", "-"): 4}
+        assert "sk-one" not in text and "quote" not in text
+
+
+async def test_each_request_is_counted_once_whatever_its_end() -> None:
+    async with FastEngineFixture(FastEngineOptions(chunks=4)) as engine, _gateway(engine) as gateway:
+        await _until(lambda: "pirate@v1" in engine.adapters)
+        engine.adapters.clear()  # forgotten, as by a restart: the request is retried after registering it again
+        retried = [e async for e in gateway.submit(_req("retried", adapter="pirate"))]
+        assert isinstance(retried[-1], Done) and len(engine.load_calls) == 2
+        stream = gateway.submit(_req("cut"))
+        assert type(await anext(stream)) is TokenChunk
+        await stream.aclose()  # type: ignore[attr-defined]  # the client went away
+        refused = [e async for e in gateway.submit(_req("long", prompt="x" * 100))]  # policy, before the queue
+        unknown = [e async for e in gateway.submit(_req("nowhere", adapter="missing"))]
+        assert len(refused) == len(unknown) == 1
+        assert _requests(gateway.metrics) == {
+            ("alice", "ok", "rest"): 1,
+            ("alice", "cancelled", "rest"): 1,
+            ("alice", "permission_denied", "rest"): 1,
+            ("alice", "not_found", "rest"): 1,
+        }
+        samples = _samples(gateway.metrics)
+        alice = (("tenant", "alice"),)
+        # Queue wait and first token once per request that got that far, the retry included once.
+        assert samples[("adaptergate_queue_wait_duration_seconds_count", alice)] == 2
+        assert samples[("adaptergate_first_token_duration_seconds_count", alice)] == 2
+        usage = retried[-1].usage
+        assert samples[("adaptergate_served_tokens_total", alice)] == usage.total_tokens + 1
+
+
+async def test_throttled_requests_are_counted_and_gauges_follow_the_queue() -> None:
+    slow = FastEngineFixture(FastEngineOptions(chunks=1000, delay_s=0.01))
+    await slow.start()
+    try:
+        async with _gateway(slow, capacity=1) as gateway:
+            first = gateway.submit(_req("b1", tenant="bob"))
+            running = asyncio.create_task(_first(first))
+            queued = gateway.submit(_req("b2", tenant="bob"))
+            waiting = asyncio.create_task(_first(queued))
+            await _until(lambda: gateway.queue_stats()["bob"].depth == 1 and running.done())
+            samples = _samples(gateway.metrics)
+            bob = (("tenant", "bob"),)
+            assert samples[("adaptergate_queue_depth", bob)] == 1
+            assert samples[("adaptergate_in_flight_requests", bob)] == 1
+            assert samples[("adaptergate_engine_healthy", (("replica", "engine-0"),))] == 1
+            refused = [e async for e in gateway.submit(_req("b3", tenant="bob"))]
+            assert len(refused) == 1
+            samples = _samples(gateway.metrics)
+            assert samples[("adaptergate_queue_rejected_total", bob)] == 1
+            assert _requests(gateway.metrics)[("bob", "resource_exhausted", "rest")] == 1
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            await queued.aclose()  # type: ignore[attr-defined]
+            await _until(lambda: gateway.queue_stats()["bob"].depth == 0)
+            assert _samples(gateway.metrics)[("adaptergate_queue_depth", bob)] == 0
+            await slow.stop(0)
+            # A replica that stopped answering: unhealthy, and no stale load or cache figures under its name.
+            await _until(lambda: not gateway.pool.replicas[0].healthy)
+            samples = _samples(gateway.metrics)
+            assert samples[("adaptergate_engine_healthy", (("replica", "engine-0"),))] == 0
+            assert not [name for name, labels in samples if name.startswith("adaptergate_engine_adapter")]
+            await first.aclose()  # type: ignore[attr-defined]
+    finally:
+        await slow.stop(0)
