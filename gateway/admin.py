@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.core import Gateway
-from gateway.errors import InvalidRequest, PermissionDenied, Unauthenticated
+from gateway.errors import GatewayError, InvalidRequest, PermissionDenied, Unauthenticated
 from gateway.registry import AdapterInstance, all_versions, parse_manifests
 from gateway.tenancy import hash_api_key
 
@@ -65,8 +65,15 @@ class AdminApi:
         registry = self._gateway.registry
         # The engine checks each source (files present, PEFT format, shapes that fit the base model) before
         # anything is stored: a bad manifest gets a 400 naming the problem, not a silent broken adapter.
-        for instance in instances:
-            await self._gateway.pool.validate(all_versions(instance))
+        try:
+            for instance in instances:
+                await self._gateway.pool.validate(all_versions(instance))
+        except GatewayError:
+            # The check registered versions on an engine: those no traffic uses must not stay there (pinned, they
+            # would hold a LoRA slot for good).
+            in_use = {r.engine_name for r in registry.versions_in_use()}
+            self._gateway.pool.retire({a.engine_name for i in instances for a in all_versions(i)} - in_use)
+            raise
         # SQLite writes stay off the event loop; the registry is thread-safe.
         applied = [await asyncio.to_thread(registry.apply, instance) for instance in instances]
         return web.json_response({"applied": [self._describe(i) for i in applied]})

@@ -265,7 +265,8 @@ class Gateway:
 
     def _on_replica_health(self, replica: Replica) -> None:
         if replica.healthy:
-            self._spawn(lambda: self.pool.register_everywhere(self.registry.versions_in_use()))
+            # Refreshed there: `pin` or a source may have changed while it was out of reach, adapters kept.
+            self._spawn(lambda: self.pool.register_everywhere(self.registry.versions_in_use(), refresh=(replica,)))
         elif self.pool.healthy_count() == 0:
             failed = self.queue.fail_waiting(_no_engine())
             if failed:
@@ -274,10 +275,14 @@ class Gateway:
     async def _sync_adapter(self, name: str) -> None:
         """Load the versions of `name` that now take traffic; retire the rest once idle."""
         in_use = [r for r in self.registry.versions_in_use() if r.name == name]
-        await self.pool.register_everywhere(in_use)
-        keep = {r.engine_name for r in in_use}
+        # Registered again where known too: an apply that changes only `pin` (or a version's source) must
+        # reach the engines.
+        await self.pool.register_everywhere(in_use, refresh=self.pool.replicas)
+        # Read again: an apply of the same name may have come, and had its sync, while this one waited.
+        keep = {r.engine_name for r in self.registry.versions_in_use() if r.name == name}
         prefix = f"{name}@"
-        stale = {n for r in self.pool.replicas for n in r.adapters if n.startswith(prefix) and n not in keep}
+        known = {n for r in self.pool.replicas for n in r.adapters} | self.pool.wanted_names()
+        stale = {n for n in known if n.startswith(prefix) and n not in keep}
         if stale:
             log.info("retiring adapter versions %s", sorted(stale))
             self.pool.retire(stale)

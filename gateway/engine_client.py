@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, Callable, Coroutine, Iterable, Sequence
+from collections.abc import AsyncGenerator, Callable, Collection, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +78,7 @@ class Replica:
     calls: set[grpc.aio.UnaryStreamCall] = field(default_factory=set)
     cut: set[grpc.aio.UnaryStreamCall] = field(default_factory=set)
     loading: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+    unloading: dict[str, asyncio.Future[None]] = field(default_factory=dict)
     stats: pb.StatsResponse | None = None
 
 
@@ -98,6 +99,12 @@ class EnginePool:
         self._addresses = list(addresses)
         self.replicas: list[Replica] = []
         self._retiring: set[str] = set()
+        # Versions in use (what `register_everywhere` was last asked for and not retired since): each poll
+        # registers those a healthy replica lacks (a registration that failed, an engine that forgot).
+        self._wanted: dict[str, ResolvedAdapter] = {}
+        # (replica, version) registrations the engine refused on their merits (a missing file, a pin it has no
+        # room for): polls do not ask again every second; the next `register_everywhere` of the version does.
+        self._refused: set[tuple[str, str]] = set()
         self._listeners: list[Callable[[], None]] = []
         self._health_listeners: list[Callable[[Replica], None]] = []
         self._tasks: set[asyncio.Task[object]] = set()
@@ -293,6 +300,9 @@ class EnginePool:
     async def register(self, replica: Replica, adapter: ResolvedAdapter) -> None:
         """Register `adapter` on `replica` (once, however many requests ask at the same time)."""
         name = adapter.engine_name
+        # An unload still on its way could be served after this registration (separate RPCs keep no order).
+        while (unloading := replica.unloading.get(name)) is not None:
+            await asyncio.shield(unloading)
         pending = replica.loading.get(name)
         if pending is None:
             pending = asyncio.ensure_future(self._load(replica, adapter))
@@ -307,7 +317,11 @@ class EnginePool:
         try:
             response = await replica.stub.LoadAdapter(request, timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
-            raise self._error(replica, e, admitted=False) from None
+            error = self._error(replica, e, admitted=False)
+            if isinstance(error, InvalidRequest | NotFound):  # the engine's verdict on the adapter, not a hiccup
+                self._refused.add((replica.name, adapter.engine_name))
+            raise error from None
+        self._refused.discard((replica.name, adapter.engine_name))
         replica.adapters[adapter.engine_name] = response.adapter.state or "registered"
         log.info(
             "adapter registered",
@@ -326,21 +340,36 @@ class EnginePool:
         for adapter in adapters:
             await self.register(replica, adapter)
 
-    async def register_everywhere(self, adapters: Iterable[ResolvedAdapter]) -> None:
-        """Register each adapter version on every healthy replica; failures are logged, not raised."""
+    async def register_everywhere(
+        self, adapters: Iterable[ResolvedAdapter], *, refresh: Collection[Replica] = ()
+    ) -> None:
+        """Register each adapter version on every healthy replica; failures are logged, not raised (the next
+        polls try again). On the replicas in `refresh`, versions they know already are registered again too, so
+        that a changed `pin` or source reaches them (the engine takes a registration again in place)."""
         wanted = list(adapters)
         self._retiring.difference_update(a.engine_name for a in wanted)
+        self._wanted.update((a.engine_name, a) for a in wanted)
+        self._refused.difference_update((r.name, a.engine_name) for r in self.replicas for a in wanted)
         jobs = [
-            self.register(r, a) for r in self.replicas if r.healthy for a in wanted if a.engine_name not in r.adapters
+            self.register(r, a)
+            for r in self.replicas
+            if r.healthy
+            for a in wanted
+            if r in refresh or a.engine_name not in r.adapters
         ]
         for result in await asyncio.gather(*jobs, return_exceptions=True):
             if isinstance(result, Exception):
                 log.warning("adapter registration failed: %s", result)
 
+    def wanted_names(self) -> set[str]:
+        """The adapter versions `register_everywhere` keeps registered on every healthy replica."""
+        return set(self._wanted)
+
     def retire(self, engine_names: Iterable[str]) -> None:
         """Unload these adapter versions from every replica once no request uses them there."""
         for name in engine_names:
             self._retiring.add(name)
+            self._wanted.pop(name, None)
             for replica in self.replicas:
                 if name in replica.adapters and not replica.active.get(name):
                     self._spawn(self._unload(replica, name))
@@ -357,11 +386,18 @@ class EnginePool:
     async def _unload(self, replica: Replica, engine_name: str) -> None:
         if replica.active.get(engine_name) or engine_name not in self._retiring:
             return
+        if engine_name in replica.loading or engine_name in replica.unloading:
+            return  # a request registers it again to run on it (and unloads it when done), or it is on its way out
         replica.adapters.pop(engine_name, None)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        replica.unloading[engine_name] = done
         try:
             await replica.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=engine_name), timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
             log.warning("unload of %s on %s failed: %s", engine_name, replica.name, e.details())
+        finally:
+            del replica.unloading[engine_name]
+            done.set_result(None)
 
     def residency(self) -> dict[str, dict[str, object]]:
         """Per replica: address, health, load and the adapter versions it holds with their state."""
@@ -409,6 +445,7 @@ class EnginePool:
             await self.poll_once()
 
     async def _poll(self, replica: Replica) -> None:
+        before = dict(replica.adapters)
         try:
             stats = await replica.stub.Stats(pb.StatsRequest(), timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
@@ -416,11 +453,14 @@ class EnginePool:
             return
         replica.stats = stats
         # What the engine reports is the truth (it may have restarted and forgotten registrations);
-        # keep names we are registering right now.
+        # keep names we are registering right now, and what was registered or unloaded while the answer was on
+        # its way (it may predate both).
         adapters = {a.name: a.state for a in stats.adapters}
-        for name in replica.loading:
-            if name in replica.adapters:
-                adapters.setdefault(name, replica.adapters[name])
+        for name, state in replica.adapters.items():
+            if name in replica.loading or name not in before:
+                adapters.setdefault(name, state)
+        for name in before.keys() - replica.adapters.keys():
+            adapters.pop(name, None)
         replica.adapters = adapters
         replica.last_error = ""
         if not replica.healthy:
@@ -429,6 +469,24 @@ class EnginePool:
             for callback in self._health_listeners:
                 callback(replica)
             self._notify()
+        # Converge on what is wanted: a registration or an unload that failed (the replica unreachable, the
+        # engine busy) or an engine that forgot its adapters is not left as it is until some request trips on it.
+        for name, adapter in list(self._wanted.items()):
+            if (
+                name not in replica.adapters
+                and name not in replica.loading
+                and (replica.name, name) not in self._refused
+            ):
+                self._spawn(self._register_logged(replica, adapter))
+        for name in list(replica.adapters):
+            if name in self._retiring and not replica.active.get(name) and name not in replica.loading:
+                self._spawn(self._unload(replica, name))
+
+    async def _register_logged(self, replica: Replica, adapter: ResolvedAdapter) -> None:
+        try:
+            await self.register(replica, adapter)
+        except GatewayError as e:
+            log.warning("adapter registration failed: %s", e)
 
     def _mark_unhealthy(self, replica: Replica, reason: str) -> None:
         replica.last_error = reason

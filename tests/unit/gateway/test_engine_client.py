@@ -3,7 +3,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -255,3 +255,60 @@ async def test_an_abort_after_the_pool_closed_is_dropped_quietly() -> None:
         async with EnginePool([f"127.0.0.1:{engine.port}"], poll_interval_s=60) as pool:
             replica = pool.replicas[0]
         await pool._abort(replica, "late")
+
+
+class _HeldStats(FastEngineFixture):
+    """Takes its Stats snapshot at once but answers only when `release` is set (a reply still on its way)."""
+
+    def __init__(self, options: FastEngineOptions | None = None) -> None:
+        super().__init__(options)
+        self.asked, self.release = asyncio.Event(), asyncio.Event()
+        self.hold = False
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        snapshot = await super().Stats(request, context)
+        if self.hold:
+            self.asked.set()
+            await self.release.wait()
+        return snapshot
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while True:
+            if condition():
+                return
+            await asyncio.sleep(0.005)
+
+
+async def test_a_poll_answer_older_than_a_registration_does_not_undo_it() -> None:
+    # The poll replaced `replica.adapters` with an answer taken before the registration finished: the
+    # replica looked cold for a version it held (routing went elsewhere, the next request registered it again).
+    engine = _HeldStats()
+    async with engine:
+        async with EnginePool([f"127.0.0.1:{engine.port}"], poll_interval_s=60) as pool:
+            replica = pool.replicas[0]
+            engine.hold = True
+            polling = asyncio.create_task(pool.poll_once())
+            await asyncio.wait_for(engine.asked.wait(), 5)
+            await pool.register(replica, _adapter())
+            engine.release.set()
+            await polling
+            assert "pirate@v1" in engine.adapters
+            assert "pirate@v1" in replica.adapters
+
+
+async def test_a_poll_answer_older_than_an_unload_does_not_bring_it_back() -> None:
+    engine = _HeldStats()
+    async with engine:
+        async with EnginePool([f"127.0.0.1:{engine.port}"], poll_interval_s=60) as pool:
+            replica = pool.replicas[0]
+            await pool.register(replica, _adapter())
+            engine.hold = True
+            polling = asyncio.create_task(pool.poll_once())
+            await asyncio.wait_for(engine.asked.wait(), 5)
+            pool.retire(["pirate@v1"])
+            await _until(lambda: "pirate@v1" not in engine.adapters)
+            engine.release.set()
+            await polling
+            assert "pirate@v1" not in replica.adapters
