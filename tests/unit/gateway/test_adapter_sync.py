@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -23,6 +23,7 @@ from gateway.registry import AdapterInstance, AdapterVersion, Registry
 from gateway.tenancy import TenantDirectory, hash_api_key
 from policy.static import StaticPolicy
 from protocols.rest import RestServer
+from tests.support.waiting import until
 
 
 def _instance(name: str, *versions: tuple[str, float], pin: bool = False, root: str = "/adapters") -> AdapterInstance:
@@ -32,15 +33,6 @@ def _instance(name: str, *versions: tuple[str, float], pin: bool = False, root: 
         versions=tuple(AdapterVersion(v, f"{root}/{name}/{v}", w) for v, w in versions),
         pin=pin,
     )
-
-
-async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """Wait for `condition` (polled on this loop): a state to reach, not a guess of how long it takes."""
-    async with asyncio.timeout(timeout_s):
-        while True:
-            if condition():
-                return
-            await asyncio.sleep(0.005)
 
 
 def _settled(gateway: Gateway) -> bool:
@@ -103,11 +95,11 @@ async def test_a_rollback_applied_while_the_rollout_loads_keeps_the_rolled_back_
             replica = gateway.pool.replicas[0]
             engine.gates["pirate@v2"] = asyncio.Event()
             gateway.registry.apply(_instance("pirate", ("v1", 0), ("v2", 100)))  # roll out v2 ...
-            await _until(lambda: "pirate@v2" in replica.loading)
+            await until(lambda: "pirate@v2" in replica.loading)
             gateway.registry.apply(_instance("pirate", ("v1", 100), ("v2", 0)))  # ... and back, while v2 loads
-            await _until(lambda: len(gateway._tasks) == 1)  # the rollback's sync is over; the roll-out's waits
+            await until(lambda: len(gateway._tasks) == 1)  # the rollback's sync is over; the roll-out's waits
             engine.gates["pirate@v2"].set()
-            await _until(lambda: _settled(gateway))
+            await until(lambda: _settled(gateway))
             assert "pirate@v1" in engine.adapters and "pirate@v2" not in engine.adapters
             assert "pirate@v1" in replica.adapters and "pirate@v2" not in replica.adapters
 
@@ -119,14 +111,14 @@ async def test_a_pin_change_reaches_every_replica() -> None:
         async with _gateway(engines) as gateway:
             assert all(not e.adapters["pirate@v1"].pinned for e in engines)
             await asyncio.to_thread(gateway.registry.apply, _instance("pirate", ("v1", 100), pin=True))
-            await _until(lambda: all(e.adapters["pirate@v1"].pinned for e in engines))
+            await until(lambda: all(e.adapters["pirate@v1"].pinned for e in engines))
 
 
 async def test_a_new_source_under_the_same_version_name_reaches_every_replica() -> None:
     async with _engines(n=2) as engines:
         async with _gateway(engines) as gateway:
             await asyncio.to_thread(gateway.registry.apply, _instance("pirate", ("v1", 100), root="/retrained"))
-            await _until(lambda: all(e.adapters["pirate@v1"].path == "/retrained/pirate/v1" for e in engines))
+            await until(lambda: all(e.adapters["pirate@v1"].path == "/retrained/pirate/v1" for e in engines))
 
 
 class Partitioned(FastEngineFixture):
@@ -162,20 +154,20 @@ async def test_a_version_retired_while_a_replica_was_unreachable_is_unloaded_whe
         async with _gateway([a, b]) as gateway:
             replica_b = gateway.pool.replicas[1]
             b.down = True
-            await _until(lambda: not replica_b.healthy)
+            await until(lambda: not replica_b.healthy)
             await asyncio.to_thread(gateway.registry.apply, _instance("pirate", ("v1", 0), ("v2", 100)))
-            await _until(lambda: "UnloadAdapter pirate@v1" in b.refused and "pirate@v1" not in a.adapters)
+            await until(lambda: "UnloadAdapter pirate@v1" in b.refused and "pirate@v1" not in a.adapters)
             b.down = False
-            await _until(lambda: set(b.adapters) == {"pirate@v2"})
-            await _until(lambda: set(replica_b.adapters) == {"pirate@v2"})
+            await until(lambda: set(b.adapters) == {"pirate@v2"})
+            await until(lambda: set(replica_b.adapters) == {"pirate@v2"})
 
 
 async def test_an_engine_that_forgot_its_adapters_between_polls_gets_them_back_without_a_request() -> None:
     async with _engines() as (engine,):
         async with _gateway([engine]) as gateway:
             engine.adapters.clear()  # restarted at the same address between two polls
-            await _until(lambda: "pirate@v1" in engine.adapters)
-            await _until(lambda: "pirate@v1" in gateway.pool.replicas[0].adapters)
+            await until(lambda: "pirate@v1" in engine.adapters)
+            await until(lambda: "pirate@v1" in gateway.pool.replicas[0].adapters)
 
 
 class FailsLoadOnce(FastEngineFixture):
@@ -199,7 +191,7 @@ async def test_a_registration_that_failed_transiently_is_tried_again() -> None:
         async with _gateway([engine]) as gateway:
             engine.flaky.add("pirate@v2")
             await asyncio.to_thread(gateway.registry.apply, _instance("pirate", ("v1", 50), ("v2", 50)))
-            await _until(lambda: "pirate@v2" in engine.adapters)
+            await until(lambda: "pirate@v2" in engine.adapters)
             assert "pirate@v2" not in engine.flaky  # it did fail once
             assert [c.name for c in engine.load_calls].count("pirate@v2") == 1
 
@@ -209,11 +201,11 @@ async def test_a_version_whose_registration_failed_is_not_tried_again_once_delet
         async with _gateway([engine], poll_s=60) as gateway:
             engine.flaky.add("pirate@v2")
             await asyncio.to_thread(gateway.registry.apply, _instance("pirate", ("v1", 50), ("v2", 50)))
-            await _until(lambda: "pirate@v2" not in engine.flaky and _settled(gateway))
+            await until(lambda: "pirate@v2" not in engine.flaky and _settled(gateway))
             await asyncio.to_thread(gateway.registry.delete, "pirate")
-            await _until(lambda: _settled(gateway) and not engine.adapters)
+            await until(lambda: _settled(gateway) and not engine.adapters)
             await gateway.pool.poll_once()
-            await _until(lambda: _settled(gateway))
+            await until(lambda: _settled(gateway))
             assert engine.adapters == {}
             assert "pirate@v2" not in [c.name for c in engine.load_calls]
 
@@ -224,12 +216,12 @@ async def test_a_pin_change_made_while_a_replica_was_unreachable_reaches_it_when
         async with _gateway([a, b]) as gateway:
             replica_b = gateway.pool.replicas[1]
             b.down = True
-            await _until(lambda: not replica_b.healthy)
+            await until(lambda: not replica_b.healthy)
             await asyncio.to_thread(gateway.registry.apply, _instance("pirate", ("v1", 100), pin=True))
-            await _until(lambda: a.adapters["pirate@v1"].pinned)
+            await until(lambda: a.adapters["pirate@v1"].pinned)
             b.down = False
-            await _until(lambda: replica_b.healthy)
-            await _until(lambda: b.adapters["pirate@v1"].pinned)
+            await until(lambda: replica_b.healthy)
+            await until(lambda: b.adapters["pirate@v1"].pinned)
 
 
 class RefusesSources(FastEngineFixture):
@@ -260,7 +252,7 @@ async def test_a_refused_manifest_leaves_no_registration_behind() -> None:
                         assert response.status == 400
                         assert "no adapter_config.json" in (await response.json())["error"]["message"]
             assert "pirate@v2" in [c.name for c in engine.load_calls]  # the check did register it
-            await _until(lambda: _settled(gateway) and set(engine.adapters) == {"pirate@v1"})
+            await until(lambda: _settled(gateway) and set(engine.adapters) == {"pirate@v1"})
             assert gateway.registry.get("pirate").versions == _instance("pirate", ("v1", 100)).versions
 
 
@@ -299,11 +291,11 @@ async def test_requests_queued_on_a_retired_version_all_finish() -> None:
             stream = gateway.submit(_request("q0"))
             first = await anext(stream)  # running on v1; the others wait in the queue behind it
             queued = [asyncio.create_task(_collect(gateway.submit(_request(f"q{i}")))) for i in range(1, 8)]
-            await _until(lambda: gateway.queue_stats()["alice"].depth == 7)
+            await until(lambda: gateway.queue_stats()["alice"].depth == 7)
             await asyncio.to_thread(gateway.registry.apply, _instance("pirate", ("v1", 0), ("v2", 100)))
             results = [[first, *await _collect(stream)], *await asyncio.gather(*queued)]
             assert all(isinstance(r[-1], Done) and r[-1].adapter_version == "v1" for r in results), results
-            await _until(lambda: _settled(gateway) and "pirate@v1" not in engine.adapters)
+            await until(lambda: _settled(gateway) and "pirate@v1" not in engine.adapters)
 
 
 def _request(rid: str) -> GatewayRequest:
@@ -341,10 +333,10 @@ async def test_a_version_the_engine_refuses_is_not_asked_again_by_every_poll() -
         async with _gateway([engine], poll_s=0.02) as gateway:
             engine.refused.add("pirate@v2")
             await asyncio.to_thread(gateway.registry.apply, _instance("pirate", ("v1", 50), ("v2", 50)))
-            await _until(lambda: _settled(gateway) and "pirate@v2" in engine.asked)
+            await until(lambda: _settled(gateway) and "pirate@v2" in engine.asked)
             polls = engine.stats_calls
-            await _until(lambda: engine.stats_calls >= polls + 10)  # ten polls later
+            await until(lambda: engine.stats_calls >= polls + 10)  # ten polls later
             assert engine.asked.count("pirate@v2") == 1
             engine.refused.clear()  # the file is fixed, and the manifest applied again
             await asyncio.to_thread(gateway.registry.apply, _instance("pirate", ("v1", 50), ("v2", 50)))
-            await _until(lambda: "pirate@v2" in engine.adapters)
+            await until(lambda: "pirate@v2" in engine.adapters)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -28,6 +28,7 @@ from gateway.registry import AdapterInstance, AdapterVersion, Registry
 from gateway.tenancy import TenantDirectory
 from policy.static import StaticPolicy
 from tests.conftest import free_port
+from tests.support.waiting import until
 
 TENANTS: list[dict[str, Any]] = [
     {"name": "alice", "plain_api_keys": ["key-a"]},
@@ -60,15 +61,6 @@ def _client_ids(engine: FastEngineFixture) -> list[str]:
 
 def _engine_id(engine: FastEngineFixture, client_id: str) -> str | None:
     return next((rid for rid in engine.active if rid.split("/", 1)[1].rsplit("#", 1)[0] == client_id), None)
-
-
-async def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Wait for `condition` (polled on this loop): a state to reach, not a guess of how long it takes."""
-    async with asyncio.timeout(timeout_s):
-        while True:
-            if condition():
-                return
-            await asyncio.sleep(0.005)
 
 
 class DenyLongPrompts:
@@ -162,7 +154,7 @@ async def test_deadline_while_queued_never_reaches_the_engine() -> None:
         slow.record_requests = True
         async with _gateway([slow], capacity=1) as gateway:
             busy = asyncio.create_task(_run(gateway, _req("busy")))
-            await _until(lambda: _engine_id(slow, "busy") is not None)
+            await until(lambda: _engine_id(slow, "busy") is not None)
             started = time.monotonic()
             events = await _run(gateway, _req("late", deadline=time.monotonic() + 0.1))
             assert isinstance(events[0], Error) and events[0].status is Status.DEADLINE_EXCEEDED
@@ -179,7 +171,7 @@ async def test_queue_limits_throttle_with_retry_after() -> None:
         async with _gateway([slow], capacity=1) as gateway:
             running = asyncio.create_task(_run(gateway, _req("b1", tenant="bob")))
             queued = asyncio.create_task(_run(gateway, _req("b2", tenant="bob")))
-            await _until(lambda: _engine_id(slow, "b1") is not None and gateway.queue_stats()["bob"].depth == 1)
+            await until(lambda: _engine_id(slow, "b1") is not None and gateway.queue_stats()["bob"].depth == 1)
             events = await _run(gateway, _req("b3", tenant="bob"))
             assert isinstance(events[0], Error) and events[0].status is Status.RESOURCE_EXHAUSTED
             assert events[0].retry_after_s is not None and events[0].retry_after_s > 0
@@ -191,9 +183,9 @@ async def test_cancel_while_queued_leaves_the_queue() -> None:
         slow.record_requests = True
         async with _gateway([slow], capacity=1) as gateway:
             busy = asyncio.create_task(_run(gateway, _req("busy")))
-            await _until(lambda: _engine_id(slow, "busy") is not None)
+            await until(lambda: _engine_id(slow, "busy") is not None)
             waiting = asyncio.create_task(_run(gateway, _req("waiting")))
-            await _until(lambda: gateway.queue_stats()["alice"].depth == 1)
+            await until(lambda: gateway.queue_stats()["alice"].depth == 1)
             waiting.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await waiting
@@ -243,7 +235,7 @@ async def test_replica_death_fails_running_requests_and_others_move_on() -> None
         async with _gateway([slow, healthy], capacity=1) as gateway:
             gateway.pool.replicas[1].in_flight = 1  # occupy the healthy replica so the first goes to slow
             doomed = asyncio.create_task(_run(gateway, _req("doomed")))
-            await _until(lambda: _engine_id(slow, "doomed") is not None)
+            await until(lambda: _engine_id(slow, "doomed") is not None)
             gateway.pool.replicas[1].in_flight = 0
             gateway.queue.pump()
             waiting = [asyncio.create_task(_run(gateway, _req(f"w{i}"))) for i in range(3)]
@@ -265,7 +257,7 @@ async def test_request_on_a_replica_dead_before_admission_is_retried_elsewhere(e
         dead.healthy = True  # stale health: the first request will find out
         alive.in_flight = alive.capacity  # force the first pick onto the dead one
         task = asyncio.create_task(_run(gateway, _req("retry")))
-        await _until(lambda: not dead.healthy)
+        await until(lambda: not dead.healthy)
         assert not task.done()  # not failed: waiting for a slot on the live replica
         alive.in_flight = 0
         gateway.queue.pump()
@@ -278,7 +270,7 @@ async def test_hot_version_switch_lets_in_flight_finish() -> None:
     async with FastEngineFixture(FastEngineOptions(chunks=40, delay_s=0.01)) as slow:
         async with _gateway([slow]) as gateway:
             old = asyncio.create_task(_run(gateway, _req("old", adapter="pirate")))
-            await _until(lambda: _engine_id(slow, "old") is not None)
+            await until(lambda: _engine_id(slow, "old") is not None)
             await asyncio.to_thread(gateway.registry.apply, _instance("pirate", ("v1", 0), ("v2", 100)))
             for _ in range(100):
                 if "pirate@v2" in slow.adapters:
@@ -310,7 +302,7 @@ async def test_losing_the_last_engine_fails_queued_requests() -> None:
     async with _gateway([slow], capacity=1) as gateway:
         running = asyncio.create_task(_run(gateway, _req("running")))
         queued = [asyncio.create_task(_run(gateway, _req(f"q{i}"))) for i in range(3)]
-        await _until(lambda: _engine_id(slow, "running") is not None and gateway.queue_stats()["alice"].depth == 3)
+        await until(lambda: _engine_id(slow, "running") is not None and gateway.queue_stats()["alice"].depth == 3)
         await slow.stop(0)
         results = await asyncio.wait_for(asyncio.gather(running, *queued), 3)
         assert all(isinstance(r[-1], Error) and r[-1].status is Status.UNAVAILABLE for r in results)
@@ -385,7 +377,7 @@ async def test_two_tenants_may_use_the_same_request_id_at_once() -> None:
     async with FastEngineFixture(FastEngineOptions(chunks=20, delay_s=0.005)) as slow:
         async with _gateway([slow]) as gateway:
             alice = asyncio.create_task(_run(gateway, _req("r1")))
-            await _until(lambda: _engine_id(slow, "r1") is not None)
+            await until(lambda: _engine_id(slow, "r1") is not None)
             bob = await _run(gateway, _req("r1", tenant="bob"))
             assert isinstance(bob[-1], Done), bob
             assert isinstance((await alice)[-1], Done)
@@ -397,7 +389,7 @@ async def test_a_request_id_is_still_refused_while_its_tenant_runs_it() -> None:
     async with FastEngineFixture(FastEngineOptions(chunks=20, delay_s=0.005)) as slow:
         async with _gateway([slow]) as gateway:
             first = asyncio.create_task(_run(gateway, _req("twice")))
-            await _until(lambda: _engine_id(slow, "twice") is not None)
+            await until(lambda: _engine_id(slow, "twice") is not None)
             events = await _run(gateway, _req("twice"))
             assert isinstance(events[0], Error) and events[0].status is Status.INVALID_ARGUMENT
             assert "already queued or running" in events[0].message
@@ -441,7 +433,7 @@ async def test_losing_the_last_engine_during_the_policy_check_fails_fast() -> No
         pending = asyncio.create_task(_run(gateway, _req("late")))
         await asyncio.wait_for(policy.entered.wait(), 5)
         await engine.stop(0)
-        await _until(lambda: gateway.pool.healthy_count() == 0)
+        await until(lambda: gateway.pool.healthy_count() == 0)
         policy.release.set()
         events = await asyncio.wait_for(pending, 5)
         assert isinstance(events[-1], Error) and events[-1].status is Status.UNAVAILABLE

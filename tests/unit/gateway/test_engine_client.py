@@ -3,7 +3,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -16,6 +16,7 @@ from gateway.engine_client import SMALLEST_TOP_P, EnginePool, ReplicaFailed, _ge
 from gateway.errors import InvalidRequest
 from gateway.registry import ResolvedAdapter
 from tests.conftest import free_port
+from tests.support.waiting import until
 
 
 def _request(rid: str = "r1", max_tokens: int | None = None, prompt: str = "hello there") -> GatewayRequest:
@@ -273,14 +274,6 @@ class _HeldStats(FastEngineFixture):
         return snapshot
 
 
-async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while True:
-            if condition():
-                return
-            await asyncio.sleep(0.005)
-
-
 async def test_a_poll_answer_older_than_a_registration_does_not_undo_it() -> None:
     # The poll replaced `replica.adapters` with an answer taken before the registration finished: the
     # replica looked cold for a version it held (routing went elsewhere, the next request registered it again).
@@ -308,7 +301,7 @@ async def test_a_poll_answer_older_than_an_unload_does_not_bring_it_back() -> No
             polling = asyncio.create_task(pool.poll_once())
             await asyncio.wait_for(engine.asked.wait(), 5)
             pool.retire(["pirate@v1"])
-            await _until(lambda: "pirate@v1" not in engine.adapters)
+            await until(lambda: "pirate@v1" not in engine.adapters)
             engine.release.set()
             await polling
             assert "pirate@v1" not in replica.adapters

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -19,6 +19,7 @@ from gateway.queue import QueueLimits, TenantStats
 from gateway.registry import AdapterInstance, AdapterVersion, Registry
 from gateway.tenancy import TenantDirectory
 from policy.static import StaticPolicy
+from tests.support.waiting import until
 
 
 def _samples(metrics: GatewayMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -153,14 +154,6 @@ def _req(rid: str, tenant: str = "alice", adapter: str | None = None, prompt: st
     return GatewayRequest(request_id=rid, tenant=tenant, adapter=adapter, prompt=prompt)
 
 
-async def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while True:
-            if condition():
-                return
-            await asyncio.sleep(0.005)
-
-
 async def _first(stream: AsyncIterator[Event]) -> Event:
     return await anext(stream)
 
@@ -186,7 +179,7 @@ async def test_bogus_api_keys_share_one_label_set() -> None:
 
 async def test_each_request_is_counted_once_whatever_its_end() -> None:
     async with FastEngineFixture(FastEngineOptions(chunks=4)) as engine, _gateway(engine) as gateway:
-        await _until(lambda: "pirate@v1" in engine.adapters)
+        await until(lambda: "pirate@v1" in engine.adapters)
         engine.adapters.clear()  # forgotten, as by a restart: the request is retried after registering it again
         retried = [e async for e in gateway.submit(_req("retried", adapter="pirate"))]
         assert isinstance(retried[-1], Done) and len(engine.load_calls) == 2
@@ -220,7 +213,7 @@ async def test_throttled_requests_are_counted_and_gauges_follow_the_queue() -> N
             running = asyncio.create_task(_first(first))
             queued = gateway.submit(_req("b2", tenant="bob"))
             waiting = asyncio.create_task(_first(queued))
-            await _until(lambda: gateway.queue_stats()["bob"].depth == 1 and running.done())
+            await until(lambda: gateway.queue_stats()["bob"].depth == 1 and running.done())
             samples = _samples(gateway.metrics)
             bob = (("tenant", "bob"),)
             assert samples[("adaptergate_queue_depth", bob)] == 1
@@ -234,11 +227,11 @@ async def test_throttled_requests_are_counted_and_gauges_follow_the_queue() -> N
             waiting.cancel()
             await asyncio.gather(waiting, return_exceptions=True)
             await queued.aclose()  # type: ignore[attr-defined]
-            await _until(lambda: gateway.queue_stats()["bob"].depth == 0)
+            await until(lambda: gateway.queue_stats()["bob"].depth == 0)
             assert _samples(gateway.metrics)[("adaptergate_queue_depth", bob)] == 0
             await slow.stop(0)
             # A replica that stopped answering: unhealthy, and no stale load or cache figures under its name.
-            await _until(lambda: not gateway.pool.replicas[0].healthy)
+            await until(lambda: not gateway.pool.replicas[0].healthy)
             samples = _samples(gateway.metrics)
             assert samples[("adaptergate_engine_healthy", (("replica", "engine-0"),))] == 0
             assert not [name for name, labels in samples if name.startswith("adaptergate_engine_adapter")]
