@@ -123,6 +123,11 @@ class Submitter(Protocol):
         """Model ids (`base` and adapter names) this tenant may use."""
         ...
 
+    def refused(self, tenant: str | None, status: Status, origin: Origin) -> None:
+        """Count a request the protocol refused before submitting it (authentication, bad input, draining);
+        `tenant` None when it was not authenticated. What `submit` sees, it counts itself."""
+        ...
+
 
 class ProtocolServer(Protocol):
     """One wire protocol bridged into the gateway; an async context manager that serves while open."""

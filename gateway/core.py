@@ -27,6 +27,7 @@ from gateway.api import (
     Error,
     Event,
     GatewayRequest,
+    Origin,
     PolicyChecker,
     PolicyDecision,
     PolicyInput,
@@ -34,7 +35,7 @@ from gateway.api import (
 )
 from gateway.asyncqueue import AsyncFairQueue, Ticket
 from gateway.engine_client import EnginePool, Replica, ReplicaFailed
-from gateway.errors import GatewayError, PermissionDenied, Status, Unauthenticated, Unavailable
+from gateway.errors import GatewayError, PermissionDenied, Status, Unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.queue import FairQueue, QueueLimits, TenantStats
 from gateway.registry import Registry, ResolvedAdapter
@@ -102,11 +103,11 @@ class Gateway:
         """The tenant owning `api_key`; without a key, the anonymous tenant if one is configured."""
         if not api_key and self._anonymous is not None:
             return self._anonymous
-        try:
-            return self.tenants.authenticate(api_key).name
-        except Unauthenticated:
-            self.metrics.request_done("-", Status.UNAUTHENTICATED.value, "-", 0.0)
-            raise
+        return self.tenants.authenticate(api_key).name
+
+    def refused(self, tenant: str | None, status: Status, origin: Origin) -> None:
+        # "-" for every unauthenticated request: label sets stay bounded whatever keys clients send.
+        self.metrics.request_refused(tenant or "-", status.value, origin.value)
 
     def models_for(self, tenant: str) -> list[str]:
         """`base` plus every adapter both the tenant and the adapter's spec allow."""
@@ -150,13 +151,14 @@ class Gateway:
                 engine_name = resolved.engine_name if resolved is not None else None
                 cost = self._cost(request)
                 queue_span = _tracer.start_span("gateway.queue", context=parent)
+                queued_at = time.perf_counter()
                 try:
                     ticket = await self.queue.acquire(
                         queued_id, tenant, self._priority(tenant), cost, request.deadline, engine_name
                     )
                 finally:
                     queue_span.end()
-                self.metrics.queue_wait(tenant, time.perf_counter() - started)
+                self.metrics.queue_wait(tenant, time.perf_counter() - queued_at)
                 # One more than the replicas: a replica that forgot an adapter gets a second try.
                 attempts = len(self.pool.replicas) + 1
                 while True:

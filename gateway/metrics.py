@@ -168,6 +168,14 @@ class GatewayMetrics:
         self._requests.add(1, attrs)
         self._latency.record(seconds, attrs)
 
+    def request_refused(self, tenant: str, status: str, protocol: str) -> None:
+        """A request refused before it was submitted: counted, with no duration (it had none to speak of)."""
+        key = (tenant, status, protocol)
+        attrs = self._attrs.get(key)
+        if attrs is None:
+            attrs = self._attrs[key] = {"tenant": tenant, "status": status, "protocol": protocol}
+        self._requests.add(1, attrs)
+
     def first_token(self, tenant: str, seconds: float) -> None:
         self._first_token.record(seconds, self._tenant(tenant))
 

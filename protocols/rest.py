@@ -60,6 +60,9 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 _DONE = b"data: [DONE]\n\n"
 _MAX_REQUEST_ID = 128
 _UNGUARDED = frozenset({"/healthz", "/metrics", "/openapi.json"})
+# Requests that count in adaptergate_requests_total, refused or not.
+_INFERENCE = frozenset({"/v1/chat/completions", "/v1/completions"})
+_TENANT = web.RequestKey("tenant", str)  # request storage: the tenant, once authenticated
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -172,6 +175,7 @@ class RestServer:
         if request.path in _UNGUARDED:
             return await handler(request)
         if self.draining:
+            self._refused(request, Status.UNAVAILABLE)
             response = error_response(Status.UNAVAILABLE, "the gateway is shutting down", code="draining")
             response.force_close()
             return response
@@ -182,6 +186,7 @@ class RestServer:
         try:
             return await handler(request)
         except GatewayError as e:
+            self._refused(request, e.status)
             return error_response(
                 e.status,
                 e.message,
@@ -190,12 +195,14 @@ class RestServer:
                 request_id=echo,
             )
         except HttpError as e:
+            self._refused(request, Status.INVALID_ARGUMENT if e.http_status < 500 else Status.INTERNAL)
             body = error_body(e.message, e.kind, None, e.code or None)
             headers = {"X-Request-Id": echo} if echo else None
             return web.Response(status=e.http_status, body=body, content_type="application/json", headers=headers)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
+            self._refused(request, Status.INVALID_ARGUMENT)
             message = {404: f"no route for {request.path}", 405: f"method {request.method} not allowed here"}
             text = message.get(e.status, e.reason)
             code = "payload_too_large" if e.status == 413 else e.reason.lower().replace(" ", "_")
@@ -209,6 +216,7 @@ class RestServer:
             raise
         except Exception:
             log.exception("unhandled error in %s %s", request.method, request.path)
+            self._refused(request, Status.INTERNAL)
             return error_response(Status.INTERNAL, "internal error")
         finally:
             self._active -= 1
@@ -306,7 +314,14 @@ class RestServer:
             if scheme.lower() != "bearer" or not value.strip():
                 raise Unauthenticated("Authorization header must be 'Bearer <API key>'")
             key = value.strip()
-        return self._gateway.authenticate(key)
+        tenant = self._gateway.authenticate(key)
+        request[_TENANT] = tenant
+        return tenant
+
+    def _refused(self, request: web.Request, status: Status) -> None:
+        """Count an inference request refused before it reached `submit` (the core counts the rest)."""
+        if request.path in _INFERENCE:
+            self._gateway.refused(request.get(_TENANT), status, Origin.REST)
 
     async def _json(self, request: web.Request) -> object:
         length = request.content_length

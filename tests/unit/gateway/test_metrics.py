@@ -9,11 +9,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.fast_engine import FastEngineFixture, FastEngineOptions
-from gateway.api import Done, Event, GatewayRequest, TokenChunk
+from gateway.api import Done, Event, GatewayRequest, Origin, PolicyDecision, PolicyInput, TokenChunk
 from gateway.config import ServerConfig
 from gateway.core import Gateway
 from gateway.engine_client import EnginePool
-from gateway.errors import Unauthenticated
+from gateway.errors import Status, Unauthenticated
 from gateway.metrics import GatewayMetrics
 from gateway.queue import QueueLimits, TenantStats
 from gateway.registry import AdapterInstance, AdapterVersion, Registry
@@ -172,8 +172,10 @@ async def test_bogus_api_keys_share_one_label_set() -> None:
         for key in ("sk-one", "sk-two", 'quote" and\nnewline', ""):
             with pytest.raises(Unauthenticated):
                 gateway.authenticate(key)
+            gateway.refused(None, Status.UNAUTHENTICATED, Origin.REST)  # what the protocol then counts
         text = gateway.metrics.render().decode()
-        assert _requests(gateway.metrics) == {("-", "unauthenticated", "-"): 4}
+        assert _requests(gateway.metrics) == {("-", "unauthenticated", "rest"): 4}
+        assert "adaptergate_request_duration_seconds_count" not in text  # a refusal has no duration to record
         assert "sk-one" not in text and "quote" not in text
 
 
@@ -238,3 +240,28 @@ async def test_throttled_requests_are_counted_and_gauges_follow_the_queue() -> N
             await first.aclose()  # type: ignore[attr-defined]
     finally:
         await slow.stop(0)
+
+
+class _SlowPolicy:
+    """Allows everything after `seconds` (a policy server that takes its time)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    async def check(self, item: PolicyInput) -> PolicyDecision:
+        await asyncio.sleep(self.seconds)
+        return PolicyDecision(True, "")
+
+
+async def test_queue_wait_is_the_time_in_the_queue_only() -> None:
+    # It was measured from the start of submit: a slow policy check read as time in the fair queue.
+    async with FastEngineFixture(FastEngineOptions(chunks=2)) as engine, _gateway(engine) as gateway:
+        gateway._policy = _SlowPolicy(0.3)
+        events = [e async for e in gateway.submit(_req("slow-policy"))]
+        assert isinstance(events[-1], Done)
+        samples = _samples(gateway.metrics)
+        alice = (("tenant", "alice"),)
+        assert samples[("adaptergate_queue_wait_duration_seconds_count", alice)] == 1
+        assert (
+            samples[("adaptergate_queue_wait_duration_seconds_sum", alice)] < 0.1
+        )  # an idle queue, whatever the policy

@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.api import Done, Error, Event, GatewayRequest, TokenChunk, Usage
+from gateway.api import Done, Error, Event, GatewayRequest, Origin, TokenChunk, Usage
 from gateway.errors import Status, Unauthenticated
 from protocols.rest import RestServer
 
@@ -24,6 +24,7 @@ class FakeGateway:
         self.release = asyncio.Event()
         self.closed: list[str] = []
         self.ready = (True, "1/1 engine replicas healthy")
+        self.refusals: list[tuple[str | None, Status]] = []
 
     def authenticate(self, api_key: str | None) -> str:
         if api_key is None:
@@ -34,6 +35,9 @@ class FakeGateway:
 
     def models_for(self, tenant: str) -> list[str]:
         return ["base", "pirate"]
+
+    def refused(self, tenant: str | None, status: Status, origin: Origin) -> None:
+        self.refusals.append((tenant, status))
 
     def health(self) -> tuple[bool, str]:
         return self.ready
@@ -409,3 +413,32 @@ async def test_protocol_span_parents_the_core_spans(
     assert f"{span.context.trace_id:032x}" == trace_id
     handed_on = gateway.requests[0].trace_context["traceparent"]
     assert handed_on == f"00-{trace_id}-{span.context.span_id:016x}-01"
+
+
+async def test_refusals_before_submit_are_counted_once_with_their_tenant(
+    rest: tuple[RestServer, FakeGateway, str], http: aiohttp.ClientSession
+) -> None:
+    # Requests the REST layer refused itself (bad JSON, bad fields, a malformed Authorization header, an
+    # oversized body) never reached the core's count: adaptergate_requests_total did not see any 400.
+    _, gateway, url = rest
+    chat = f"{url}/v1/chat/completions"
+    async with http.post(chat, data=b"{not json", headers={**KEY, "Content-Type": "application/json"}) as r:
+        assert r.status == 400
+    async with http.post(chat, json=_chat(temperature=9), headers=KEY) as r:
+        assert r.status == 400
+    async with http.post(chat, json=_chat(), headers={"Authorization": "Basic abc"}) as r:
+        assert r.status == 401
+    async with http.post(chat, json=_chat(), headers={"Authorization": "Bearer wrong"}) as r:
+        assert r.status == 401
+    async with http.post(chat, data=b"x" * 8000, headers={**KEY, "Content-Type": "application/json"}) as r:
+        assert r.status == 413
+    async with http.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}) as r:
+        assert r.status == 401  # not an inference request: not counted
+    assert gateway.refusals == [
+        ("t1", Status.INVALID_ARGUMENT),
+        ("t1", Status.INVALID_ARGUMENT),
+        (None, Status.UNAUTHENTICATED),
+        (None, Status.UNAUTHENTICATED),
+        ("t1", Status.INVALID_ARGUMENT),
+    ]
+    assert gateway.requests == []  # none reached submit, so none is counted twice
