@@ -215,7 +215,7 @@ class Gateway:
             if first_token_at:
                 self.metrics.first_token(tenant, first_token_at - started)
             if self._access_log:
-                self._log_access(request, status, elapsed, usage_note)
+                self._log_access(request, status, elapsed, usage_note, parent)
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -241,7 +241,9 @@ class Gateway:
     def _priority(self, tenant: str) -> int:
         return self.tenants.get(tenant).priority
 
-    def _log_access(self, request: GatewayRequest, status: Status, elapsed: float, done: Done | None) -> None:
+    def _log_access(
+        self, request: GatewayRequest, status: Status, elapsed: float, done: Done | None, parent: Context | None
+    ) -> None:
         extra: dict[str, Any] = {
             **_ids(request),
             "adapter": request.adapter,
@@ -249,6 +251,10 @@ class Gateway:
             "status": status.value,
             "latency_ms": round(elapsed * 1000, 3),
         }
+        # The request's trace (its protocol span's), so a log line leads to the spans; no span is made current.
+        span_context = trace.get_current_span(parent).get_span_context() if parent is not None else None
+        if span_context is not None and span_context.is_valid:
+            extra["trace_id"] = f"{span_context.trace_id:032x}"
         if done is not None:
             extra.update(
                 adapter_version=done.adapter_version,

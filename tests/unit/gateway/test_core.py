@@ -438,3 +438,18 @@ async def test_losing_the_last_engine_during_the_policy_check_fails_fast() -> No
         events = await asyncio.wait_for(pending, 5)
         assert isinstance(events[-1], Error) and events[-1].status is Status.UNAVAILABLE
         assert gateway.queue_stats()["alice"].depth == 0
+
+
+async def test_the_access_log_line_carries_the_requests_trace_id(
+    engine: FastEngineFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    # No span is made current, so a log line had no way back to the request's trace.
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    context = {"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"}
+    async with _gateway([engine]) as gateway:
+        with caplog.at_level("INFO", logger="adaptergate.access"):
+            await _run(gateway, _req("traced-log", trace_context=context))
+            await _run(gateway, _req("untraced-log"))
+    lines = {r.request_id: r for r in caplog.records if r.name == "adaptergate.access"}  # type: ignore[attr-defined]
+    assert lines["traced-log"].trace_id == trace_id  # type: ignore[attr-defined]
+    assert not hasattr(lines["untraced-log"], "trace_id")
