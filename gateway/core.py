@@ -34,11 +34,12 @@ from gateway.api import (
     TokenChunk,
 )
 from gateway.asyncqueue import AsyncFairQueue, Ticket
-from gateway.engine_client import EnginePool, Replica, ReplicaFailed
+from gateway.engine_client import EnginePool
 from gateway.errors import GatewayError, PermissionDenied, Status, Unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.queue import FairQueue, QueueLimits, TenantStats
 from gateway.registry import Registry, ResolvedAdapter
+from gateway.replica import Replica, ReplicaFailed
 from gateway.tenancy import TenantDirectory
 
 log = logging.getLogger("adaptergate.core")

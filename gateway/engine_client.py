@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import AsyncGenerator, Callable, Collection, Coroutine, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -23,6 +21,7 @@ import grpc
 from engine import engine_pb2 as pb
 from engine import engine_pb2_grpc as pb_grpc
 from gateway.api import Done, GatewayRequest, TokenChunk, Usage
+from gateway.engine_wire import absolute_path, generate_request
 from gateway.errors import (
     DeadlineExceeded,
     GatewayError,
@@ -32,6 +31,7 @@ from gateway.errors import (
     Unavailable,
 )
 from gateway.registry import ResolvedAdapter
+from gateway.replica import Replica, ReplicaFailed
 
 log = logging.getLogger("adaptergate.engine_client")
 
@@ -49,37 +49,6 @@ _STATUS_ERRORS: dict[grpc.StatusCode, type[GatewayError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: Throttled,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
 }
-
-
-class ReplicaFailed(Unavailable):
-    """A replica failed a request; `before_admission` means it produced nothing and may be retried."""
-
-    def __init__(self, message: str, *, before_admission: bool) -> None:
-        super().__init__(message)
-        self.before_admission = before_admission
-
-
-@dataclass(eq=False, slots=True)
-class Replica:
-    """One engine process as the pool sees it."""
-
-    name: str
-    address: str
-    capacity: int
-    channel: grpc.aio.Channel
-    stub: pb_grpc.EngineStub
-    healthy: bool = False
-    in_flight: int = 0
-    last_error: str = ""
-    # Adapter engine names the engine reported (or we registered), with their state.
-    adapters: dict[str, str] = field(default_factory=dict)
-    # Requests in flight per adapter engine name, so retired versions unload once idle.
-    active: dict[str, int] = field(default_factory=dict)
-    calls: set[grpc.aio.UnaryStreamCall] = field(default_factory=set)
-    cut: set[grpc.aio.UnaryStreamCall] = field(default_factory=set)
-    loading: dict[str, asyncio.Future[None]] = field(default_factory=dict)
-    unloading: dict[str, asyncio.Future[None]] = field(default_factory=dict)
-    stats: pb.StatsResponse | None = None
 
 
 class EnginePool:
@@ -209,7 +178,7 @@ class EnginePool:
             if engine_name not in replica.adapters:
                 await self.register(replica, adapter)
         try:
-            message = _generate_request(request, engine_name)
+            message = generate_request(request, engine_name)
         except ValueError as e:
             # Out of the wire format's range (a seed beyond uint64, a top_k beyond uint32) or not encodable as
             # UTF-8 (lone surrogates): the request's fault, so a refusal rather than an exception.
@@ -312,7 +281,7 @@ class EnginePool:
 
     async def _load(self, replica: Replica, adapter: ResolvedAdapter) -> None:
         request = pb.LoadAdapterRequest(
-            name=adapter.engine_name, path=_absolute(adapter.source), pin=adapter.pin, wait=False
+            name=adapter.engine_name, path=absolute_path(adapter.source), pin=adapter.pin, wait=False
         )
         try:
             response = await replica.stub.LoadAdapter(request, timeout=self._rpc_timeout_s)
@@ -508,36 +477,3 @@ class EnginePool:
         task: asyncio.Task[object] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-# top_p 0 (OpenAI accepts it) is the limit of keeping only the most likely token. The engine's wire format
-# reads 0 as "not set" (no cut), so the smallest mass goes instead, which keeps that token only.
-SMALLEST_TOP_P = 1e-6
-
-
-def _generate_request(request: GatewayRequest, engine_name: str) -> pb.GenerateRequest:
-    s = request.sampling
-    sampling = pb.SamplingParams(
-        max_tokens=s.max_tokens or 0,
-        temperature=s.temperature,
-        top_p=max(s.top_p, SMALLEST_TOP_P),
-        top_k=s.top_k,
-        stop=s.stop,
-    )
-    if s.seed is not None:
-        # Clients send int64 seeds (OpenAI's range, negatives included); the wire's uint64 takes them mod 2^64,
-        # so each seed still names one sequence of draws.
-        sampling.seed = s.seed % 2**64
-    message = pb.GenerateRequest(
-        request_id=request.request_id, adapter=engine_name, sampling=sampling, priority=request.priority
-    )
-    if request.messages is not None:
-        message.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.content) for m in request.messages)
-    else:
-        message.prompt = request.prompt or ""
-    return message
-
-
-def _absolute(path: str) -> str:
-    # Pure string work (no filesystem access): engines on this host need absolute paths.
-    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)

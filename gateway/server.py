@@ -21,11 +21,12 @@ from typing import Any, TypeVar
 from gateway.api import PolicyChecker, ProtocolServer
 from gateway.config import Config, ConfigError
 from gateway.core import Gateway
-from gateway.engine_client import EnginePool, Replica
+from gateway.engine_client import EnginePool
 from gateway.engine_process import LocalEngine, engine_command
 from gateway.metrics import GatewayMetrics
 from gateway.queue import QueueLimits
 from gateway.registry import AdapterInstance, AdapterVersion, Registry
+from gateway.replica import Replica
 from gateway.tenancy import TenantDirectory
 
 log = logging.getLogger("adaptergate.server")

@@ -12,9 +12,11 @@ import pytest
 from bench.fast_engine import FastEngineFixture, FastEngineOptions
 from engine import engine_pb2 as pb
 from gateway.api import Done, GatewayRequest, SamplingParams, TokenChunk
-from gateway.engine_client import SMALLEST_TOP_P, EnginePool, ReplicaFailed, _generate_request
+from gateway.engine_client import EnginePool
+from gateway.engine_wire import SMALLEST_TOP_P, generate_request
 from gateway.errors import InvalidRequest
 from gateway.registry import ResolvedAdapter
+from gateway.replica import ReplicaFailed
 from tests.conftest import free_port
 from tests.support.waiting import until
 
@@ -205,16 +207,16 @@ async def test_retired_versions_unload_once_idle() -> None:
 def test_top_p_zero_keeps_only_the_top_token() -> None:
     """top_p 0 once reached the engine as its wire default 0, "not set": the full distribution was sampled."""
     zero = GatewayRequest(request_id="r", tenant="t", adapter=None, prompt="hi", sampling=SamplingParams(top_p=0.0))
-    assert _generate_request(zero, "").sampling.top_p == pytest.approx(SMALLEST_TOP_P)
+    assert generate_request(zero, "").sampling.top_p == pytest.approx(SMALLEST_TOP_P)
     assert 0 < SMALLEST_TOP_P < 1 / 200_000  # below any token's share of a real vocabulary: the top one alone
-    assert _generate_request(_request(), "").sampling.top_p == 1.0
+    assert generate_request(_request(), "").sampling.top_p == 1.0
 
 
 def test_negative_seeds_reach_the_engine_as_distinct_uint64_seeds() -> None:
     # OpenAI's seeds are int64; the wire's is uint64 (a negative seed once made building the message raise).
     def seed(value: int) -> int:
         request = dataclasses.replace(_request(), sampling=SamplingParams(seed=value))
-        return _generate_request(request, "").sampling.seed
+        return generate_request(request, "").sampling.seed
 
     assert seed(-1) == 2**64 - 1 and seed(-(2**63)) == 2**63 and seed(7) == 7
     assert len({seed(v) for v in (-2, -1, 0, 1, 2**64 - 1)}) == 4  # -1 and 2^64 - 1 are one seed

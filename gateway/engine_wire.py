@@ -1,0 +1,43 @@
+"""The gateway's requests in the engine's wire format (engine/engine.proto): what the pool sends, value by value."""
+
+from __future__ import annotations
+
+import os
+
+from engine import engine_pb2 as pb
+from gateway.api import GatewayRequest
+
+# top_p 0 (OpenAI accepts it) is the limit of keeping only the most likely token. The engine's wire format
+# reads 0 as "not set" (no cut), so the smallest mass goes instead, which keeps that token only.
+SMALLEST_TOP_P = 1e-6
+
+
+def generate_request(request: GatewayRequest, engine_name: str) -> pb.GenerateRequest:
+    """The engine's `GenerateRequest` for `request` on adapter version `engine_name` ("" for the base model);
+    raises ValueError where a value does not fit the wire (a top_k past uint32, text that is not UTF-8)."""
+    s = request.sampling
+    sampling = pb.SamplingParams(
+        max_tokens=s.max_tokens or 0,
+        temperature=s.temperature,
+        top_p=max(s.top_p, SMALLEST_TOP_P),
+        top_k=s.top_k,
+        stop=s.stop,
+    )
+    if s.seed is not None:
+        # Clients send int64 seeds (OpenAI's range, negatives included); the wire's uint64 takes them mod 2^64,
+        # so each seed still names one sequence of draws.
+        sampling.seed = s.seed % 2**64
+    message = pb.GenerateRequest(
+        request_id=request.request_id, adapter=engine_name, sampling=sampling, priority=request.priority
+    )
+    if request.messages is not None:
+        message.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.content) for m in request.messages)
+    else:
+        message.prompt = request.prompt or ""
+    return message
+
+
+def absolute_path(path: str) -> str:
+    """`path` made absolute against the gateway's working directory, for engines on this host."""
+    # Pure string work (no filesystem access): engines on this host need absolute paths.
+    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
