@@ -225,6 +225,12 @@ class EnginePool:
                     raise ReplicaFailed(
                         f"engine replica {replica.name} unavailable: {detail}", before_admission=not admitted
                     ) from None
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and request.deadline is not None:
+                # Our own call deadline (the request's): gRPC's text for it is "Deadline Exceeded" or "Stream
+                # removed", which tells a client nothing about which deadline or where.
+                raise DeadlineExceeded(
+                    f"the request's deadline passed while the engine was generating ({replica.name})"
+                ) from None
             raise self._error(replica, e, admitted) from None
         except asyncio.CancelledError:
             task = asyncio.current_task()

@@ -160,7 +160,9 @@ class FairQueue:
         state = self._state(entry.tenant)
         tenant = state.tenant
         if entry.request_id in self._queued or entry.request_id in self._dispatched:
-            raise InvalidRequest(f"request id {entry.request_id!r} is already queued or running")
+            # The core queues ids per tenant ("<tenant>/<id>"): the message names the id the client sent.
+            shown = entry.request_id.removeprefix(f"{entry.tenant}/")
+            raise InvalidRequest(f"request id {shown!r} is already queued or running")
         cap = min(tenant.max_tokens_in_flight, self._limits.max_total_tokens_in_flight)
         if entry.cost_tokens < 0 or entry.cost_tokens > cap:
             raise InvalidRequest(f"request needs {entry.cost_tokens} tokens (prompt + max_tokens); the limit is {cap}")

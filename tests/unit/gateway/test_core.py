@@ -392,7 +392,7 @@ async def test_a_request_id_is_still_refused_while_its_tenant_runs_it() -> None:
             await until(lambda: _engine_id(slow, "twice") is not None)
             events = await _run(gateway, _req("twice"))
             assert isinstance(events[0], Error) and events[0].status is Status.INVALID_ARGUMENT
-            assert "already queued or running" in events[0].message
+            assert events[0].message == "request id 'twice' is already queued or running"  # the client's id
             assert isinstance((await first)[-1], Done)
 
 
@@ -453,3 +453,13 @@ async def test_the_access_log_line_carries_the_requests_trace_id(
     lines = {r.request_id: r for r in caplog.records if r.name == "adaptergate.access"}  # type: ignore[attr-defined]
     assert lines["traced-log"].trace_id == trace_id  # type: ignore[attr-defined]
     assert not hasattr(lines["untraced-log"], "trace_id")
+
+
+async def test_a_deadline_passing_while_generating_is_named_as_such() -> None:
+    # It reached the client as gRPC's own text, "Stream removed (Deadline Exceeded)".
+    async with FastEngineFixture(FastEngineOptions(chunks=200, delay_s=0.01)) as slow:
+        async with _gateway([slow]) as gateway:
+            events = await _run(gateway, _req("slow", deadline=time.monotonic() + 0.3))
+    assert isinstance(events[0], TokenChunk)  # it was generating
+    assert isinstance(events[-1], Error) and events[-1].status is Status.DEADLINE_EXCEEDED
+    assert "deadline passed while the engine was generating" in events[-1].message
