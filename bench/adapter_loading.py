@@ -18,7 +18,6 @@ alternating, side by side.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+from gateway_rest import percentile  # a sibling script (bench/ is this script's sys.path entry)
 
 from engine.adapter_loader import AdapterLoader, ProcessLoader, ThreadLoader
 from engine.adapters import read_spec
@@ -105,7 +105,7 @@ def main() -> None:
                 work = threading.Thread(target=load_all, args=(loaders[phase], batch))
             gaps = sorted(gaps_while(work, seconds=0.5))
             worst[phase].append(gaps[-1])
-            p99s[phase].append(gaps[math.ceil(len(gaps) * 0.99 - 1e-9) - 1])  # nearest rank
+            p99s[phase].append(percentile(gaps, 0.99))
             print(
                 f"{phase:9s}: longest gap {gaps[-1] * 1e3:7.2f} ms, p99 {p99s[phase][-1] * 1e3:6.2f} ms, "
                 f"median {statistics.median(gaps) * 1e3:.2f} ms",

@@ -161,20 +161,20 @@ class GatewayMetrics:
         self._engine_stats = stats
 
     def request_done(self, tenant: str, status: str, protocol: str, seconds: float) -> None:
-        key = (tenant, status, protocol)
-        attrs = self._attrs.get(key)
-        if attrs is None:
-            attrs = self._attrs[key] = {"tenant": tenant, "status": status, "protocol": protocol}
+        attrs = self._request_attrs(tenant, status, protocol)
         self._requests.add(1, attrs)
         self._latency.record(seconds, attrs)
 
     def request_refused(self, tenant: str, status: str, protocol: str) -> None:
         """A request refused before it was submitted: counted, with no duration (it had none to speak of)."""
+        self._requests.add(1, self._request_attrs(tenant, status, protocol))
+
+    def _request_attrs(self, tenant: str, status: str, protocol: str) -> dict[str, str]:
         key = (tenant, status, protocol)
         attrs = self._attrs.get(key)
         if attrs is None:
             attrs = self._attrs[key] = {"tenant": tenant, "status": status, "protocol": protocol}
-        self._requests.add(1, attrs)
+        return attrs
 
     def first_token(self, tenant: str, seconds: float) -> None:
         self._first_token.record(seconds, self._tenant(tenant))

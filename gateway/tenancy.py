@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -134,10 +133,11 @@ def _parse_entry(index: int, entry: object) -> tuple[Tenant, list[str]]:
         digests.append(hash_api_key(plain))
 
     weight = entry.get("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not _finite(weight):
+    if isinstance(weight, bool) or not isinstance(weight, int | float):
         raise InvalidRequest(f"{where}.weight: must be a positive number")
     # Bounded: the fair queue's virtual counters grow as tokens / weight, and one tenant's counter lifts those
     # of tenants coming back; at 1e-300 it reached 1e302, where the others' increments vanish in rounding.
+    # The bounds also refuse NaN, infinities and integers past float's range (compared exactly, no overflow).
     if not _MIN_WEIGHT <= weight <= _MAX_WEIGHT:
         raise InvalidRequest(f"{where}.weight: must be between {_MIN_WEIGHT:g} and {_MAX_WEIGHT:g}, got {weight}")
     priority = entry.get("priority", 0)
@@ -173,10 +173,3 @@ def _string_list(value: object, where: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise InvalidRequest(f"{where}: must be a list of strings")
     return list(value)
-
-
-def _finite(value: float) -> bool:
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an integer past float's range: a traceback at start-up, not a config error
-        return False
