@@ -25,9 +25,9 @@ from typing import Protocol, TypeVar
 import torch
 
 from engine.adapters import AdapterSpec, host_copy, load_adapter, load_layers_into, read_spec
-from engine.config import ModelArch
+from engine.config import EngineConfig, ModelArch
 from engine.lora import AdapterWeights, SlotLayout, image_groups
-from engine.pinned_arena import PinnedArena, attach
+from engine.pinned_arena import PinnedArena, attach, shared_arena_fits
 
 log = logging.getLogger("engine.adapter_loader")
 T = TypeVar("T")
@@ -177,6 +177,32 @@ class ProcessLoader:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def make_loader(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, layout: SlotLayout | None
+) -> tuple[AdapterLoader, PinnedArena | None]:
+    """The loader `config.adapter_loader` asks for, and the shared page-locked arena it writes into, if any.
+
+    On "auto", loader processes keep adapter loads off a GPU engine's GIL-bound step loop (RESULTS-gpu.md,
+    section d); a CPU engine's loop is bound by its matmuls, and threads start faster.
+    """
+    in_processes = device.type == "cuda" if config.adapter_loader == "auto" else config.adapter_loader == "process"
+    if not in_processes:
+        return ThreadLoader(dtype, layout), None
+    arena = _shared_arena(device, config.pinned_adapter_memory_mb)
+    return ProcessLoader(dtype, layout, config.loader_workers(), arena), arena
+
+
+def _shared_arena(device: torch.device, megabytes: int) -> PinnedArena | None:
+    """Page-locked shared memory that loader processes write adapter images straight into (CUDA, and only if
+    /dev/shm has room; otherwise they hand results back to be copied)."""
+    if device.type != "cuda" or megabytes == 0:
+        return None
+    if not shared_arena_fits(megabytes << 20):
+        log.warning("/dev/shm has no room for a %d MiB adapter arena: loader processes copy results", megabytes)
+        return None
+    return PinnedArena(megabytes << 20)
 
 
 def layer_parts(num_layers: int, parts: int) -> list[range]:

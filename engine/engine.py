@@ -7,7 +7,6 @@ request's sink from the engine thread.
 
 from __future__ import annotations
 
-import functools
 import logging
 import queue
 import threading
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engine import interpreter
-from engine.adapter_loader import AdapterLoader, ProcessLoader, ThreadLoader
+from engine.adapter_loader import make_loader
 from engine.adapters import AdapterError
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, PrefillGraphs
@@ -27,47 +26,15 @@ from engine.eviction import DecayedFrequencyPolicy, LRUPolicy
 from engine.kv_cache import KVCache
 from engine.loader import load_weights, resolve_model
 from engine.lora import LoRAStacks
-from engine.lora_batch import LoRABatch
-from engine.model import DecoderModel, SeqSlice
-from engine.pinned_arena import PinnedArena, shared_arena_fits
+from engine.model import DecoderModel
 from engine.pool import AdapterCacheStats, AdapterPool, AdapterVersion
 from engine.sampling import SamplingParams, make_generator, sample_tokens
 from engine.scheduler import Scheduler
 from engine.sequence import OutputSink, RequestOutput, SeqStatus, Sequence
+from engine.step_forward import InFlight, StepForward, StepTrace
 from engine.tokenizer import IncrementalDecoder, Tokenizer
 
 log = logging.getLogger("engine")
-
-
-@dataclass(eq=False)
-class _InFlight:
-    """A step whose tokens were sampled on the device and are not read yet (`EngineConfig.async_steps`):
-    its sequences in row order and the tokens, on their way to host memory."""
-
-    order: list[Sequence]
-    tokens: torch.Tensor  # int64 [len(order)] on the engine's device
-    host: torch.Tensor  # the same, copied without waiting (page-locked on CUDA)
-    copied: torch.cuda.Event | None
-
-    @staticmethod
-    def launch(order: list[Sequence], tokens: torch.Tensor) -> _InFlight:
-        if not tokens.is_cuda:
-            return _InFlight(order, tokens, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return _InFlight(order, tokens, host, copied)
-
-    @functools.cached_property
-    def rows(self) -> dict[Sequence, int]:
-        """Each sequence's row in `order`."""
-        return {seq: i for i, seq in enumerate(self.order)}
-
-    def read(self) -> list[int]:
-        if self.copied is not None:
-            self.copied.synchronize()
-        return list(self.host.tolist())
 
 
 class EngineError(Exception):
@@ -87,22 +54,6 @@ class EngineStats:
     steps: int
     tokens_generated: int
     adapter_cache: AdapterCacheStats
-
-
-class _StepTrace:
-    """Phase timer for `LLMEngine.step_trace` (benchmarks only)."""
-
-    def __init__(self, device: torch.device, misses: int) -> None:
-        self.device, self.misses = device, misses  # slot misses before the step
-        self.phases: list[float] = []
-        self._last = time.perf_counter()
-
-    def mark(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        self.phases.append(now - self._last)
-        self._last = now
 
 
 class LLMEngine:
@@ -135,26 +86,20 @@ class LLMEngine:
         )
         self.kv = KVCache(arch, self._kv_slots(), self.max_model_len, self.dtype, self.device)
         eviction = LRUPolicy() if config.adapter_eviction == "lru" else DecayedFrequencyPolicy()
-        loader: AdapterLoader
-        self._arena: PinnedArena | None = None
-        if self._loads_in_processes(config):
-            self._arena = self._shared_arena(config.pinned_adapter_memory_mb)
-            loader = ProcessLoader(self.dtype, self.stacks.layout, config.loader_workers(), self._arena)
-        else:
-            loader = ThreadLoader(self.dtype, self.stacks.layout)
+        loader, self._arena = make_loader(config, self.device, self.dtype, self.stacks.layout)
         self.pool = AdapterPool(arch, self.stacks, self.dtype, config.host_adapter_cache, eviction, loader, self._arena)
         self.pool.on_loaded.append(self._wake)
         self.scheduler = Scheduler(self.kv, self.pool, config.max_num_batched_tokens)
-        self.graphs: DecodeGraphs | None = None
-        self.prefill_graphs: PrefillGraphs | None = None
-        self._prefill_stream: torch.cuda.Stream | None = None
+        self.forward = StepForward(self.model, self.kv, self.stacks, self.device)
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = DecodeGraphs(self.model, self.kv, self.stacks, self.kv.total, torch.cuda.graph_pool_handle())
-            self.graphs.capture_all()
+            graphs = DecodeGraphs(self.model, self.kv, self.stacks, self.kv.total, torch.cuda.graph_pool_handle())
+            graphs.capture_all()
             # Prefills replay on their own stream, concurrently with the decode graph: their own memory pool.
-            self.prefill_graphs = PrefillGraphs(self.model, self.kv, self.stacks, torch.cuda.graph_pool_handle())
-            self.prefill_graphs.capture_all()
-            self._prefill_stream = torch.cuda.Stream(self.device)
+            prefill_graphs = PrefillGraphs(self.model, self.kv, self.stacks, torch.cuda.graph_pool_handle())
+            prefill_graphs.capture_all()
+            self.forward = StepForward(
+                self.model, self.kv, self.stacks, self.device, graphs, prefill_graphs, torch.cuda.Stream(self.device)
+            )
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stop = threading.Event()
@@ -170,28 +115,29 @@ class LLMEngine:
         # Sample on the device, launch the next step, then read the tokens (`EngineConfig.async_steps`).
         self.async_steps = config.async_steps == "on"
         self.fills_ahead = config.adapter_fills_ahead
-        self._inflight: _InFlight | None = None
+        self._inflight: InFlight | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._settled = self.device.type == "cuda"  # only a GPU engine's step loop is Python-bound
         if self._settled:
             interpreter.settle_for_serving(config.gil_switch_interval_ms)
 
-    def _loads_in_processes(self, config: EngineConfig) -> bool:
-        """Loader processes keep adapter loads off a GPU engine's GIL-bound step loop (RESULTS-gpu.md,
-        section d); a CPU engine's loop is bound by its matmuls, and threads start faster."""
-        if config.adapter_loader == "auto":
-            return self.device.type == "cuda"
-        return config.adapter_loader == "process"
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The captured decode steps (CUDA without `enforce_eager`); None runs decoding eagerly."""
+        return self.forward.graphs
 
-    def _shared_arena(self, megabytes: int) -> PinnedArena | None:
-        """Page-locked shared memory that loader processes write adapter images straight into (CUDA, and
-        only if /dev/shm has room; otherwise they hand results back to be copied)."""
-        if self.device.type != "cuda" or megabytes == 0:
-            return None
-        if not shared_arena_fits(megabytes << 20):
-            log.warning("/dev/shm has no room for a %d MiB adapter arena: loader processes copy results", megabytes)
-            return None
-        return PinnedArena(megabytes << 20)
+    @graphs.setter
+    def graphs(self, graphs: DecodeGraphs | None) -> None:
+        self.forward.graphs = graphs
+
+    @property
+    def prefill_graphs(self) -> PrefillGraphs | None:
+        """The captured single-prompt prefills; None runs prefills eagerly."""
+        return self.forward.prefill_graphs
+
+    @prefill_graphs.setter
+    def prefill_graphs(self, graphs: PrefillGraphs | None) -> None:
+        self.forward.prefill_graphs = graphs
 
     def _kv_slots(self) -> int:
         """KV slots: `max_num_seqs`, fewer on a GPU whose free memory cannot hold them."""
@@ -245,6 +191,11 @@ class LLMEngine:
         still unfinished after `timeout_s` end with an error. Safe from a signal handler (SIGTERM)."""
         self._drain_deadline = time.monotonic() + timeout_s
         self._wake()
+
+    @property
+    def draining(self) -> bool:
+        """Whether `request_drain` was called: new requests are refused while those in flight finish."""
+        return self._drain_deadline is not None
 
     def stop(self) -> None:
         self.request_stop()
@@ -437,11 +388,8 @@ class LLMEngine:
                 )
 
     def step(self) -> None:
-        """One step: prefill newly admitted requests, decode one token for all running ones.
-
-        On CUDA the decoding requests run as one captured graph and each new prompt as a captured prefill
-        graph on a second stream, so the GPU overlaps them; prompts longer than the prefill buckets (and
-        decode batches no bucket holds) run eagerly.
+        """One step: prefill newly admitted requests, decode one token for all running ones (the forward
+        pass, graphed or eager: `StepForward`).
 
         With `async_steps` the step's tokens stay on the device: the next step reads its inputs from there,
         and the engine thread handles this step's tokens (detokenizing, stop checks, outputs) while the GPU
@@ -449,7 +397,7 @@ class LLMEngine:
         still decodes one row in this step, whose token is dropped; one that it ends by length does not.
         """
         previous, self._inflight = self._inflight, None
-        trace = _StepTrace(self.device, self.pool.slot_misses) if self.step_trace is not None else None
+        trace = StepTrace(self.device, self.pool.slot_misses) if self.step_trace is not None else None
         admitted = set(self.scheduler.schedule())
         ending = previous.rows if previous is not None else {}
         running = [s for s in self.scheduler.running if not (s in ending and self._ends_by_length(s))]
@@ -463,44 +411,12 @@ class LLMEngine:
             return
         if trace:
             trace.mark()
-        order: list[Sequence] = []
-        parts: list[torch.Tensor] = []
-        eager = list(running)
-        prefilled: list[tuple[Sequence, torch.Tensor]] = []
-        if self.prefill_graphs is not None and self._prefill_stream is not None and admitted:
-            # Enqueued first, on a second stream: the GPU runs these prefills alongside the decode graph
-            # below (both are chains of small kernels), so joining requests barely delay the running ones.
-            main = torch.cuda.current_stream(self.device)
-            self._prefill_stream.wait_stream(main)
-            with torch.cuda.stream(self._prefill_stream):
-                for seq in [s for s in running if s in admitted]:
-                    logits = self.prefill_graphs.run(seq.prompt_ids, seq.kv_slot, seq.lora_slot)
-                    if logits is not None:
-                        prefilled.append((seq, logits))
-                        eager.remove(seq)
-        if self.graphs is not None:
-            decoding = [s for s in running if s not in admitted]
-            logits = self._decode_graphed(decoding, previous) if decoding else None
-            if logits is not None:
-                order, parts = decoding, [logits]
-                eager = [s for s in eager if s in admitted]
-        if trace:
-            trace.mark()
-        if prefilled and self._prefill_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._prefill_stream)
-            order, parts = order + [s for s, _ in prefilled], parts + [t for _, t in prefilled]
-        if trace:
-            trace.mark()
-        if eager:
-            order, parts = order + eager, [*parts, self._forward_eager(eager, admitted, previous)]
-        if trace:
-            trace.mark()
-        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        order, logits = self.forward.logits(running, admitted, previous, trace)
         tokens = sample_tokens(logits, [s.params for s in order], [s.generator for s in order])
         self.steps += 1
         self._fill_ahead()
         if self.async_steps and self.step_trace is None:  # a trace times each phase up to its own tokens
-            self._inflight = _InFlight.launch(order, tokens)
+            self._inflight = InFlight.launch(order, tokens)
             if previous is not None:
                 self._complete(previous)
             return
@@ -527,54 +443,11 @@ class LLMEngine:
         """Whether the token in flight for `seq` ends it by max_tokens or the context length."""
         return len(seq.output_ids) + 1 >= seq.params.max_tokens or seq.context_len + 1 >= self.max_model_len
 
-    def _complete(self, flight: _InFlight) -> None:
+    def _complete(self, flight: InFlight) -> None:
         """Hand a step's tokens to their sequences; those finished since it was launched drop theirs."""
         for seq, token in zip(flight.order, flight.read(), strict=True):
             if seq.status is SeqStatus.RUNNING:
                 self._append(seq, token)
-
-    def _decode_inputs(
-        self, seqs: list[Sequence], previous: _InFlight | None
-    ) -> tuple[list[int] | torch.Tensor, list[int]]:
-        """Input token and position of each decoding sequence: its last token on the host, or on the device
-        while the step that sampled it is in flight (one position further then)."""
-        if previous is None:
-            return [s.output_ids[-1] for s in seqs], [s.context_len - 1 for s in seqs]
-        index = torch.tensor([previous.rows[s] for s in seqs], dtype=torch.long, device=self.device)
-        return previous.tokens.index_select(0, index), [s.context_len for s in seqs]
-
-    def _decode_graphed(self, seqs: list[Sequence], previous: _InFlight | None) -> torch.Tensor | None:
-        assert self.graphs is not None
-        input_ids, positions = self._decode_inputs(seqs, previous)
-        return self.graphs.run(input_ids, positions, [s.kv_slot for s in seqs], [s.lora_slot for s in seqs])
-
-    def _forward_eager(self, seqs: list[Sequence], admitted: set[Sequence], previous: _InFlight | None) -> torch.Tensor:
-        decoding = [s for s in seqs if s not in admitted]
-        decode_ids, decode_positions = self._decode_inputs(decoding, previous)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        token_slots: list[int] = []
-        slices: list[SeqSlice] = []
-        decode_rows: list[int] = []
-        for seq in seqs:
-            start = len(input_ids)
-            if seq in admitted:
-                input_ids.extend(seq.prompt_ids)
-                positions.extend(range(len(seq.prompt_ids)))
-                slices.append(SeqSlice(seq.kv_slot, start, len(seq.prompt_ids), len(seq.prompt_ids)))
-            else:
-                i = len(decode_rows)
-                decode_rows.append(start)
-                input_ids.append(0 if isinstance(decode_ids, torch.Tensor) else decode_ids[i])
-                positions.append(decode_positions[i])
-                slices.append(SeqSlice(seq.kv_slot, start, 1, decode_positions[i] + 1))
-            token_slots.extend([seq.lora_slot] * (len(input_ids) - start))
-        dev = self.device
-        ids = torch.tensor(input_ids, device=dev)
-        if isinstance(decode_ids, torch.Tensor) and decode_rows:  # tokens of the step in flight, on the device
-            ids.index_copy_(0, torch.tensor(decode_rows, device=dev), decode_ids.to(ids.dtype))
-        lora = LoRABatch.build(self.stacks, token_slots, dev)
-        return self.model(ids, torch.tensor(positions, device=dev), slices, self.kv, lora)
 
     def _append(self, seq: Sequence, token: int) -> None:
         params = seq.params

@@ -1,0 +1,178 @@
+"""The forward pass of one engine step: which rows run as captured graphs and which eagerly, and their logits.
+
+On CUDA the decoding requests run as one captured decode graph and each new prompt as a captured prefill
+graph on a second stream, so the GPU overlaps them; prompts longer than the prefill buckets, and decode
+batches no bucket holds, run eagerly. Without graphs (the CPU, `enforce_eager`) every row runs eagerly.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.cuda_graphs import DecodeGraphs, PrefillGraphs
+from engine.kv_cache import KVCache
+from engine.lora import LoRAStacks
+from engine.lora_batch import LoRABatch
+from engine.model import DecoderModel, SeqSlice
+from engine.sequence import Sequence
+
+
+@dataclass(eq=False)
+class InFlight:
+    """A step whose tokens were sampled on the device and are not read yet (`EngineConfig.async_steps`):
+    its sequences in row order and the tokens, on their way to host memory."""
+
+    order: list[Sequence]
+    tokens: torch.Tensor  # int64 [len(order)] on the engine's device
+    host: torch.Tensor  # the same, copied without waiting (page-locked on CUDA)
+    copied: torch.cuda.Event | None
+
+    @staticmethod
+    def launch(order: list[Sequence], tokens: torch.Tensor) -> InFlight:
+        if not tokens.is_cuda:
+            return InFlight(order, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return InFlight(order, tokens, host, copied)
+
+    @functools.cached_property
+    def rows(self) -> dict[Sequence, int]:
+        """Each sequence's row in `order`."""
+        return {seq: i for i, seq in enumerate(self.order)}
+
+    def read(self) -> list[int]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return list(self.host.tolist())
+
+
+class StepTrace:
+    """Phase timer for `LLMEngine.step_trace` (benchmarks only)."""
+
+    def __init__(self, device: torch.device, misses: int) -> None:
+        self.device, self.misses = device, misses  # slot misses before the step
+        self.phases: list[float] = []
+        self._last = time.perf_counter()
+
+    def mark(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.phases.append(now - self._last)
+        self._last = now
+
+
+class StepForward:
+    """Runs a step's rows through the model: graphs where one was captured for them, eagerly otherwise.
+
+    `graphs` and `prefill_graphs` may be set to None at any time (benchmarks compare graphed and eager steps).
+    """
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        kv: KVCache,
+        stacks: LoRAStacks,
+        device: torch.device,
+        graphs: DecodeGraphs | None = None,
+        prefill_graphs: PrefillGraphs | None = None,
+        prefill_stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        self.model, self.kv, self.stacks, self.device = model, kv, stacks, device
+        self.graphs, self.prefill_graphs = graphs, prefill_graphs
+        self._prefill_stream = prefill_stream  # prefill graphs replay on it, beside the decode graph
+
+    def logits(
+        self,
+        running: list[Sequence],
+        admitted: set[Sequence],
+        previous: InFlight | None,
+        trace: StepTrace | None = None,
+    ) -> tuple[list[Sequence], torch.Tensor]:
+        """The rows of `running` in the order their logits come, and the logits [rows, vocab].
+
+        `admitted` are the sequences whose prompt this step prefills; the others decode one token, read from
+        `previous` where the step that sampled it is still in flight.
+        """
+        order: list[Sequence] = []
+        parts: list[torch.Tensor] = []
+        eager = list(running)
+        prefilled: list[tuple[Sequence, torch.Tensor]] = []
+        if self.prefill_graphs is not None and self._prefill_stream is not None and admitted:
+            # Enqueued first, on a second stream: the GPU runs these prefills alongside the decode graph
+            # below (both are chains of small kernels), so joining requests barely delay the running ones.
+            main = torch.cuda.current_stream(self.device)
+            self._prefill_stream.wait_stream(main)
+            with torch.cuda.stream(self._prefill_stream):
+                for seq in [s for s in running if s in admitted]:
+                    logits = self.prefill_graphs.run(seq.prompt_ids, seq.kv_slot, seq.lora_slot)
+                    if logits is not None:
+                        prefilled.append((seq, logits))
+                        eager.remove(seq)
+        if self.graphs is not None:
+            decoding = [s for s in running if s not in admitted]
+            logits = self._decode_graphed(decoding, previous) if decoding else None
+            if logits is not None:
+                order, parts = decoding, [logits]
+                eager = [s for s in eager if s in admitted]
+        if trace:
+            trace.mark()
+        if prefilled and self._prefill_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._prefill_stream)
+            order, parts = order + [s for s, _ in prefilled], parts + [t for _, t in prefilled]
+        if trace:
+            trace.mark()
+        if eager:
+            order, parts = order + eager, [*parts, self._forward_eager(eager, admitted, previous)]
+        if trace:
+            trace.mark()
+        return order, parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _decode_inputs(
+        self, seqs: list[Sequence], previous: InFlight | None
+    ) -> tuple[list[int] | torch.Tensor, list[int]]:
+        """Input token and position of each decoding sequence: its last token on the host, or on the device
+        while the step that sampled it is in flight (one position further then)."""
+        if previous is None:
+            return [s.output_ids[-1] for s in seqs], [s.context_len - 1 for s in seqs]
+        index = torch.tensor([previous.rows[s] for s in seqs], dtype=torch.long, device=self.device)
+        return previous.tokens.index_select(0, index), [s.context_len for s in seqs]
+
+    def _decode_graphed(self, seqs: list[Sequence], previous: InFlight | None) -> torch.Tensor | None:
+        assert self.graphs is not None
+        input_ids, positions = self._decode_inputs(seqs, previous)
+        return self.graphs.run(input_ids, positions, [s.kv_slot for s in seqs], [s.lora_slot for s in seqs])
+
+    def _forward_eager(self, seqs: list[Sequence], admitted: set[Sequence], previous: InFlight | None) -> torch.Tensor:
+        decoding = [s for s in seqs if s not in admitted]
+        decode_ids, decode_positions = self._decode_inputs(decoding, previous)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        token_slots: list[int] = []
+        slices: list[SeqSlice] = []
+        decode_rows: list[int] = []
+        for seq in seqs:
+            start = len(input_ids)
+            if seq in admitted:
+                input_ids.extend(seq.prompt_ids)
+                positions.extend(range(len(seq.prompt_ids)))
+                slices.append(SeqSlice(seq.kv_slot, start, len(seq.prompt_ids), len(seq.prompt_ids)))
+            else:
+                i = len(decode_rows)
+                decode_rows.append(start)
+                input_ids.append(0 if isinstance(decode_ids, torch.Tensor) else decode_ids[i])
+                positions.append(decode_positions[i])
+                slices.append(SeqSlice(seq.kv_slot, start, 1, decode_positions[i] + 1))
+            token_slots.extend([seq.lora_slot] * (len(input_ids) - start))
+        dev = self.device
+        ids = torch.tensor(input_ids, device=dev)
+        if isinstance(decode_ids, torch.Tensor) and decode_rows:  # tokens of the step in flight, on the device
+            ids.index_copy_(0, torch.tensor(decode_rows, device=dev), decode_ids.to(ids.dtype))
+        lora = LoRABatch.build(self.stacks, token_slots, dev)
+        return self.model(ids, torch.tensor(positions, device=dev), slices, self.kv, lora)

@@ -1,0 +1,44 @@
+"""Fixtures shared by the engine's unit tests: `replays` stands in for CUDA graph capture on the CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from engine import cuda_graphs
+
+
+class _Graph:
+    """A captured forward: each replay reruns it from the buffers and rewrites the captured output."""
+
+    def __init__(self, forward: Callable[[], torch.Tensor], out: torch.Tensor, log: list[object], key: object):
+        self.forward, self.out, self.log, self.key = forward, out, log, key
+
+    def replay(self) -> None:
+        self.log.append(self.key)
+        with torch.inference_mode():
+            self.out.copy_(self.forward())
+
+
+@pytest.fixture
+def replays(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Capture without CUDA; the keys of the graphs replayed, in order."""
+    log: list[object] = []
+
+    def capture(forward: Callable[[], torch.Tensor], pool: object, stream: object) -> tuple[_Graph, torch.Tensor]:
+        out = forward()
+        key = getattr(forward, "args", (None,))[0]  # PrefillGraphs passes a partial over its key
+        return _Graph(forward, out, log, key), out
+
+    monkeypatch.setattr(cuda_graphs, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: None)
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "_capture", _keyed_capture)
+    return log
+
+
+def _keyed_capture(self: cuda_graphs.DecodeGraphs, key: cuda_graphs.GraphKey) -> None:
+    graph, out = cuda_graphs.capture(lambda: self._forward(key), self._pool, self.capture_stream)
+    graph.key = key  # type: ignore[attr-defined]
+    self._graphs[key], self._logits[key] = graph, out  # type: ignore[assignment]

@@ -1,0 +1,89 @@
+"""A step's forward pass (`engine.step_forward`) on the CPU, with the decode graphs stood in for (`replays`):
+which rows run graphed and which eagerly, the order their logits come in, inputs read from a step still in
+flight, and the logits against the eager model's."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+
+from engine import cuda_graphs
+from engine.kv_cache import KVCache
+from engine.lora_batch import LoRABatch
+from engine.model import SeqSlice
+from engine.sampling import SamplingParams
+from engine.sequence import SeqStatus, Sequence
+from engine.step_forward import InFlight, StepForward
+from engine.tokenizer import IncrementalDecoder
+from tests.unit.engine.test_graph_host import ARCH, CPU, _model, _stacks
+
+
+def _seq(name: str, prompt: list[int], kv_slot: int, lora_slot: int) -> Sequence:
+    seq = Sequence(
+        name, prompt, SamplingParams(max_tokens=8), None, lambda _: None, cast(IncrementalDecoder, None), None
+    )
+    seq.kv_slot, seq.lora_slot = kv_slot, lora_slot
+    return seq
+
+
+def _caches() -> tuple[KVCache, KVCache]:
+    return tuple(KVCache(ARCH, slots=4, max_len=300, dtype=torch.float32, device=CPU) for _ in range(2))  # type: ignore[return-value]
+
+
+def _eager(kv: KVCache, rows: list[tuple[Sequence, list[int], int]]) -> torch.Tensor:
+    """The eager model's logits for (sequence, input ids, first position) rows, one forward."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slices: list[SeqSlice] = []
+    slots: list[int] = []
+    for seq, tokens, first in rows:
+        slices.append(SeqSlice(seq.kv_slot, len(ids), len(tokens), first + len(tokens)))
+        ids += tokens
+        positions += range(first, first + len(tokens))
+        slots += [seq.lora_slot] * len(tokens)
+    lora = LoRABatch.build(_stacks(fused=False), slots, CPU)
+    return _model()(torch.tensor(ids), torch.tensor(positions), slices, kv, lora)
+
+
+def test_decoding_rows_replay_a_graph_and_new_prompts_follow_eagerly(replays: list[object]) -> None:
+    graphed_kv, eager_kv = _caches()
+    stacks = _stacks(fused=True)
+    graphs = cuda_graphs.DecodeGraphs(_model(), graphed_kv, stacks, 4, None)
+    graphs.capture_all()
+    forward = StepForward(_model(), graphed_kv, stacks, CPU, graphs)
+    a, b, c = _seq("a", [5, 6, 7, 8, 9], 0, 0), _seq("b", [1, 2, 3], 1, -1), _seq("c", [4, 4, 2, 7], 2, 1)
+    for seq in (a, b):  # both already prefilled, one token sampled
+        for kv in (graphed_kv, eager_kv):
+            _eager(kv, [(seq, seq.prompt_ids, 0)])
+        seq.output_ids, seq.status = [11 + seq.kv_slot], SeqStatus.RUNNING
+
+    order, logits = forward.logits([a, c, b], {c}, None)
+
+    assert order == [a, b, c]  # the graph's rows first, then the prompt prefilled eagerly
+    assert replays[-1] == cuda_graphs.GraphKey(2, 256, True, False)
+    want = _eager(eager_kv, [(a, [11], 5), (b, [12], 3), (c, c.prompt_ids, 0)])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+
+    # Next step with its tokens still in flight: inputs come from the device tensor, one position further.
+    flight = InFlight.launch(order, torch.tensor([21, 22, 23]))
+    order, logits = forward.logits([a, b, c], set(), flight)
+    assert order == [a, b, c] and replays[-1] == cuda_graphs.GraphKey(4, 256, True, False)
+    want = _eager(eager_kv, [(a, [21], 6), (b, [22], 4), (c, [23], 4)])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_without_graphs_every_row_runs_eagerly_in_the_running_order(replays: list[object]) -> None:
+    graphed_kv, eager_kv = _caches()
+    forward = StepForward(_model(), graphed_kv, _stacks(fused=True), CPU)
+    a, b = _seq("a", [5, 6, 7], 0, 1), _seq("b", [3, 1, 4, 1, 5], 1, 0)
+    for kv in (graphed_kv, eager_kv):
+        _eager(kv, [(a, a.prompt_ids, 0)])
+    a.output_ids, a.status = [9], SeqStatus.RUNNING
+    flight = InFlight.launch([b, a], torch.tensor([0, 30]))  # a's token is in flight; b was not running then
+
+    order, logits = forward.logits([b, a], {b}, flight)
+
+    assert order == [b, a] and replays == []
+    want = _eager(eager_kv, [(b, b.prompt_ids, 0), (a, [30], 4)])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
