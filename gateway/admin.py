@@ -1,6 +1,8 @@
 """The admin HTTP API (what `adapterctl` talks to): adapters, their residency on engines, queues.
 
-    POST   /admin/adapters        {"manifests": [AdapterInstance, ...]} (or a YAML body) -> {"applied": [...]}
+    POST   /admin/adapters        {"manifests": [AdapterInstance, ...]} (or a YAML body)
+                                  -> {"applied": [AdapterInstance + "residency" + "result", ...]}
+                                  (result: "created", "configured" or "unchanged", as kubectl says)
     GET    /admin/adapters        -> {"adapters": [AdapterInstance + "residency", ...]}
     GET    /admin/adapters/NAME   -> AdapterInstance + "residency": [{engine, version, state}, ...]
     DELETE /admin/adapters/NAME   -> {"deleted": NAME}
@@ -75,8 +77,8 @@ class AdminApi:
             self._gateway.pool.retire({a.engine_name for i in instances for a in all_versions(i)} - in_use)
             raise
         # SQLite writes stay off the event loop; the registry is thread-safe.
-        applied = [await asyncio.to_thread(registry.apply, instance) for instance in instances]
-        return web.json_response({"applied": [self._describe(i) for i in applied]})
+        applied = [await asyncio.to_thread(registry.apply_and_report, instance) for instance in instances]
+        return web.json_response({"applied": [{**self._describe(i), "result": outcome} for i, outcome in applied]})
 
     async def _list(self, request: web.Request) -> web.Response:
         self._authorize(request)
@@ -120,12 +122,25 @@ def _adapters_of(info: dict[str, object]) -> dict[str, str]:
 
 async def _read_manifests(request: web.Request) -> list[AdapterInstance]:
     raw = await request.read()
+    # Parsing and checking a body near the size limit takes up to seconds (PyYAML is pure Python; a JSON body
+    # holds thousands of manifests), which must not stall every other request on the event loop.
     if request.content_type in _YAML_TYPES:
-        # PyYAML is pure Python: a body near the size limit takes seconds to parse, which must not stall every
-        # other request on the event loop.
-        return await asyncio.to_thread(parse_manifests, raw.decode("utf-8", errors="replace"))
+        return await asyncio.to_thread(_parse_yaml, raw)
+    return await asyncio.to_thread(_parse_json, raw)
+
+
+def _parse_yaml(raw: bytes) -> list[AdapterInstance]:
     try:
-        body = json.loads(raw)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        # Never replaced: a source path with U+FFFD in it names a file nobody wrote.
+        raise InvalidRequest(f"request body is not UTF-8 text (byte {e.start})") from None
+    return parse_manifests(text)
+
+
+def _parse_json(raw: bytes) -> list[AdapterInstance]:
+    try:
+        body = json.loads(raw, object_pairs_hook=_unique_keys)
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidRequest(f"request body is not valid JSON: {e}") from None
     except RecursionError:
@@ -139,8 +154,19 @@ async def _read_manifests(request: web.Request) -> list[AdapterInstance]:
             instances.append(AdapterInstance.from_dict(manifest))
         except InvalidRequest as e:
             raise InvalidRequest(f"manifests[{index}]: {e.message}") from None
-    names = [i.name for i in instances]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise InvalidRequest(f"manifests: {duplicates[0]!r} appears more than once")
+    seen: set[str] = set()
+    for instance in instances:
+        if instance.name in seen:
+            raise InvalidRequest(f"manifests: {instance.name!r} appears more than once")
+        seen.add(instance.name)
     return instances
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json.loads keeps the last of two equal keys, which would drop the first value without a word.
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise InvalidRequest(f"request body: duplicate key {key!r}")
+        out[key] = value
+    return out

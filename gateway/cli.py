@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import http.client
 import json
+import math
 import os
 import sys
 import time
@@ -59,6 +60,13 @@ class AdminClient:
                 raw = response.read()
         except urllib.error.HTTPError as exc:
             raise CliError(_server_message(exc)) from None
+        except TimeoutError:
+            # Raised bare only once connected and sent (a connect timeout comes wrapped in URLError): the
+            # gateway has the request, so a change may be applied even though no answer came.
+            hint = "raise --timeout" if method == "GET" else "it may still take effect: check with `adapterctl get`"
+            raise CliError(
+                f"{method} {path}: {self._server} did not answer within {self._timeout_s:g} s ({hint})"
+            ) from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise CliError(f"cannot reach {self._server}: {reason}") from None
@@ -78,8 +86,9 @@ class AdminClient:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `adapterctl` console script; returns the exit status."""
     args = _parser().parse_args(argv)
-    client = AdminClient(args.server, args.api_key, args.timeout)
     try:
+        _check_server(args.server)
+        client = AdminClient(args.server, args.api_key, args.timeout)
         args.handler(client, args)
     except CliError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -103,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get("ADAPTERGATE_ADMIN_KEY"),
         help="admin API key, sent as a bearer token (env ADAPTERGATE_ADMIN_KEY)",
     )
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per HTTP call")
+    parser.add_argument("--timeout", type=_seconds, default=10.0, help="seconds per HTTP call")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     apply = commands.add_parser("apply", help="create or update adapters from manifest files")
@@ -126,8 +135,8 @@ def _parser() -> argparse.ArgumentParser:
     delete.set_defaults(handler=_delete)
 
     top = commands.add_parser("top", help="per-tenant queues and adapter residency")
-    top.add_argument("--watch", type=float, metavar="S", help="refresh every S seconds until interrupted")
-    top.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N refreshes")
+    top.add_argument("--watch", type=_seconds, metavar="S", help="refresh every S seconds until interrupted")
+    top.add_argument("--count", type=_positive_int, metavar="N", help="with --watch: stop after N refreshes")
     top.set_defaults(handler=_top)
     return parser
 
@@ -153,7 +162,9 @@ def _apply(client: AdminClient, args: argparse.Namespace) -> None:
             name = item.get("metadata", {}).get("name") or item.get("name", "?")
             generation = item.get("metadata", {}).get("generation", item.get("generation"))
             suffix = f" (generation {generation})" if generation is not None else ""
-            print(f"adapter/{name} applied{suffix}")
+            # kubectl's words: created, configured or unchanged (a gateway too old to say gives "applied").
+            verb = item.get("result", "applied")
+            print(f"adapter/{name} {verb}{suffix}")
         else:
             print(f"adapter/{item} applied")
 
@@ -246,8 +257,6 @@ def _top(client: AdminClient, args: argparse.Namespace) -> None:
     if args.watch is None:
         print(_top_screen(client))
         return
-    if args.watch <= 0:
-        raise CliError("--watch needs a positive number of seconds")
     shown = 0
     while args.count is None or shown < args.count:
         screen = _top_screen(client)
@@ -286,6 +295,44 @@ def _top_screen(client: AdminClient) -> str:
     else:
         parts.append("No adapter residency reported.")
     return "\n".join(parts)
+
+
+def _seconds(text: str) -> float:
+    # socket.settimeout and time.sleep raise on negative, NaN and infinite values: refuse them as usage errors.
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _check_server(server: str) -> None:
+    """Refuse a --server (or ADAPTERGATE_ADMIN_URL) urllib cannot use, before it raises mid-request."""
+    problem = None
+    try:
+        parts = urllib.parse.urlsplit(server)
+        _ = parts.port  # raises ValueError for a port that is not a number in 0-65535
+    except ValueError as exc:
+        problem = str(exc)
+    else:
+        if parts.scheme not in ("http", "https"):
+            problem = "must be an http:// or https:// URL, e.g. http://127.0.0.1:8080"
+        elif not parts.hostname:
+            problem = "names no host"
+    if problem is not None:
+        raise CliError(f"--server {server!r}: {problem}")
 
 
 def _server_message(exc: urllib.error.HTTPError) -> str:

@@ -31,11 +31,18 @@ from gateway.errors import InvalidRequest
 API_VERSION = "adapter.ai/v1"
 KIND = "AdapterInstance"
 DEFAULT_SCOPES = ("chat", "completions")
+# The request kinds the gateway tells apart (core: chat messages -> "chat", a prompt -> "completions").
+SCOPES = frozenset(DEFAULT_SCOPES)
+# Requests say "base" for the base model (protocols/rest_input.parse_model): an adapter of that name is unreachable.
+RESERVED_NAMES = frozenset({"base"})
 
-_NAME_RE = re.compile(r"[a-z0-9-]{1,63}")
+# A DNS label (RFC 1123), as Kubernetes names are.
+_NAME_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 # Versions become part of the engine name "<adapter>@<version>", so '@' is kept out.
 _VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
-_TOP_FIELDS = frozenset({"apiVersion", "kind", "metadata", "spec"})
+# `residency` is what the admin API reports beside a manifest; it is read-only and ignored here, so that
+# what `adapterctl get NAME -o yaml` prints can be applied again.
+_TOP_FIELDS = frozenset({"apiVersion", "kind", "metadata", "spec", "residency"})
 _METADATA_FIELDS = frozenset({"name", "generation"})
 _SPEC_FIELDS = frozenset({"baseModel", "allowedTenants", "scopes", "priority", "pin", "pinnedVersion", "versions"})
 _VERSION_FIELDS = frozenset({"name", "source", "weight"})
@@ -92,7 +99,14 @@ class AdapterInstance:
         metadata = _mapping(top.get("metadata"), "metadata", _METADATA_FIELDS)
         name = metadata.get("name")
         if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-            raise InvalidRequest(f"metadata.name: must match [a-z0-9-]{{1,63}}, got {name!r}")
+            raise InvalidRequest(
+                "metadata.name: must be a DNS label (1-63 lowercase letters, digits or '-', starting and ending"
+                f" with a letter or digit), got {name!r}"
+            )
+        if name in RESERVED_NAMES:
+            raise InvalidRequest(f"metadata.name: {name!r} is reserved (requests use it for the base model)")
+        if not isinstance(top.get("residency", []), list):
+            raise InvalidRequest("residency: must be a list (it is read-only: leave it out)")
         generation = metadata.get("generation", 0)
         if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
             raise InvalidRequest("metadata.generation: must be a non-negative integer")
@@ -117,7 +131,7 @@ class AdapterInstance:
             base_model=base_model,
             versions=versions,
             allowed_tenants=_strings(spec.get("allowedTenants", ["*"]), "spec.allowedTenants"),
-            scopes=_strings(spec.get("scopes", list(DEFAULT_SCOPES)), "spec.scopes"),
+            scopes=_scopes(spec.get("scopes", list(DEFAULT_SCOPES))),
             priority=priority,
             pin=pin,
             pinned_version=pinned,
@@ -131,7 +145,7 @@ def parse_manifests(text: str) -> list[AdapterInstance]:
     Empty documents are skipped. Raises `InvalidRequest` naming the document and field at fault.
     """
     try:
-        documents = list(yaml.safe_load_all(text))
+        documents = list(yaml.load_all(text, Loader=_StrictLoader))
     except (yaml.YAMLError, ValueError) as exc:
         # ValueError: PyYAML converts integers with int(), which refuses more than 4300 digits.
         raise InvalidRequest(f"not valid YAML: {exc}") from None
@@ -139,6 +153,7 @@ def parse_manifests(text: str) -> list[AdapterInstance]:
         # PyYAML composes nested collections recursively: a body of a few thousand '[' exhausts the stack.
         raise InvalidRequest("not valid YAML: nested too deeply") from None
     out: list[AdapterInstance] = []
+    names: set[str] = set()
     for number, document in enumerate(documents, start=1):
         if document is None:
             continue
@@ -146,12 +161,29 @@ def parse_manifests(text: str) -> list[AdapterInstance]:
             instance = AdapterInstance.from_dict(document)
         except InvalidRequest as exc:
             raise InvalidRequest(f"document {number}: {exc.message}") from None
-        if any(seen.name == instance.name for seen in out):
+        if instance.name in names:
             raise InvalidRequest(f"document {number}: adapter {instance.name!r} appears twice")
+        names.add(instance.name)
         out.append(instance)
     if not out:
         raise InvalidRequest("no AdapterInstance documents found")
     return out
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key twice in one mapping is an error instead of "the last wins"."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[object] = set()
+        for key_node, _ in node.value:
+            # Merge keys (`<<: *anchor`) may be overridden by design; only the mapping's own scalar keys count.
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _versions(value: object) -> tuple[AdapterVersion, ...]:
@@ -208,6 +240,14 @@ def _mapping(value: object, where: str, allowed: frozenset[str]) -> Mapping[str,
         prefix = "" if where == "manifest" else f"{where}."
         raise InvalidRequest(f"{prefix}{unknown[0]}: unknown field")
     return value
+
+
+def _scopes(value: object) -> tuple[str, ...]:
+    scopes = _strings(value, "spec.scopes")
+    for scope in scopes:
+        if scope not in SCOPES:
+            raise InvalidRequest(f"spec.scopes: unknown scope {scope!r} (known: {', '.join(sorted(SCOPES))})")
+    return scopes
 
 
 def _strings(value: object, where: str) -> tuple[str, ...]:

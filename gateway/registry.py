@@ -17,19 +17,24 @@ import sqlite3
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
-from gateway.errors import NotFound, PermissionDenied
+from gateway.errors import InvalidRequest, NotFound, PermissionDenied
 from gateway.manifest import AdapterInstance, AdapterVersion, parse_manifests
 
 __all__ = [
     "AdapterInstance",
     "AdapterVersion",
+    "ApplyOutcome",
     "Registry",
     "ResolvedAdapter",
     "parse_manifests",
 ]
 
 log = logging.getLogger(__name__)
+
+# What an apply did, in kubectl's words.
+ApplyOutcome = Literal["created", "configured", "unchanged"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS adapters (
@@ -67,7 +72,14 @@ class Registry:
         self._db.commit()
         self._instances: dict[str, AdapterInstance] = {}
         for name, generation, spec in self._db.execute("SELECT name, generation, spec FROM adapters ORDER BY name"):
-            instance = AdapterInstance.from_dict(json.loads(spec))
+            try:
+                instance = AdapterInstance.from_dict(json.loads(spec))
+            except (InvalidRequest, ValueError, RecursionError) as exc:
+                # Stored before a rule was tightened (or torn): one such row must not stop the gateway, and the
+                # row stays in the store untouched.
+                reason = exc.message if isinstance(exc, InvalidRequest) else f"not JSON: {exc}"
+                log.error("registry: skipping stored adapter %r, it is no longer valid: %s", name, reason)
+                continue
             self._instances[name] = _with_generation(instance, generation)
 
     @classmethod
@@ -81,19 +93,33 @@ class Registry:
             self._db.close()
 
     def apply(self, instance: AdapterInstance) -> AdapterInstance:
-        """Create or replace the spec named `instance.name`; returns it with its new generation."""
+        """Create or replace the spec named `instance.name`; returns it with its generation."""
+        return self.apply_and_report(instance)[0]
+
+    def apply_and_report(self, instance: AdapterInstance) -> tuple[AdapterInstance, ApplyOutcome]:
+        """`apply`, also saying what it did. As with Kubernetes, `generation` counts changes of the spec:
+        applying the stored spec again leaves it (and the store) as it is."""
         with self._lock:
             previous = self._instances.get(instance.name)
-            stored = _with_generation(instance, previous.generation + 1 if previous else 1)
-            with self._db:
-                self._db.execute(
-                    "INSERT INTO adapters (name, generation, spec) VALUES (?, ?, ?) "
-                    "ON CONFLICT(name) DO UPDATE SET generation = excluded.generation, spec = excluded.spec",
-                    (stored.name, stored.generation, json.dumps(stored.to_dict())),
-                )
-            self._instances[stored.name] = stored
+            if previous is not None and _with_generation(instance, previous.generation) == previous:
+                outcome: ApplyOutcome = "unchanged"
+                stored = previous
+            else:
+                outcome = "configured" if previous else "created"
+                stored = _with_generation(instance, previous.generation + 1 if previous else 1)
+                self._store(stored)
+        # Listeners hear of an unchanged apply too: registering again is how an engine retries a failed load.
         self._notify(stored.name)
-        return stored
+        return stored, outcome
+
+    def _store(self, stored: AdapterInstance) -> None:
+        with self._db:
+            self._db.execute(
+                "INSERT INTO adapters (name, generation, spec) VALUES (?, ?, ?) "
+                "ON CONFLICT(name) DO UPDATE SET generation = excluded.generation, spec = excluded.spec",
+                (stored.name, stored.generation, json.dumps(stored.to_dict())),
+            )
+        self._instances[stored.name] = stored
 
     def get(self, name: str) -> AdapterInstance:
         """The spec called `name`; raises `NotFound`."""

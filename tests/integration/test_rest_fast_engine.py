@@ -228,7 +228,7 @@ def test_adapterctl_drives_the_real_admin_api(
         return code, captured.out, captured.err
 
     code, out, _ = adapterctl("apply", "-f", str(examples))
-    assert code == 0 and all(f"adapter/{name} applied (generation 1)" in out for name in names), out
+    assert code == 0 and all(f"adapter/{name} created (generation 1)" in out for name in names), out
     code, out, _ = adapterctl("get")
     assert code == 0 and [line.split()[0] for line in out.splitlines()[1:]] == names, out
 

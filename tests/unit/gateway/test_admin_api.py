@@ -123,3 +123,96 @@ async def test_large_yaml_body_does_not_stall_the_event_loop(admin: tuple[str, R
     assert (status, reply["error"]["message"]) == (400, "document 3001: adapter 'a0' appears twice")
     assert longest_tick < 0.5
     assert registry.list() == []
+
+
+@pytest.fixture
+async def admin_without_engines() -> AsyncIterator[tuple[str, Registry]]:
+    # No healthy replica: applies are stored without an engine check, as while engines start.
+    registry = Registry.open(":memory:")
+    pool = EnginePool([])
+    gateway = Gateway(
+        tenants=TenantDirectory.from_config([{"name": "t1", "plain_api_keys": ["user-key"]}]),
+        policy=StaticPolicy(),
+        registry=registry,
+        pool=pool,
+        limits=QueueLimits(),
+    )
+    server = RestServer(gateway, port=0, extra_routes=AdminApi(gateway, [hash_api_key(ADMIN_KEY)]).routes())
+    async with server:
+        yield f"http://127.0.0.1:{server.port}", registry
+    await pool.__aexit__(None, None, None)
+    registry.close()
+
+
+async def test_yaml_body_that_is_not_utf8_is_a_400(admin_without_engines: tuple[str, Registry]) -> None:
+    # Once decoded with errors="replace": the source was stored as "/adapters/pirate\ufffd", a path nobody wrote.
+    url, registry = admin_without_engines
+    body = json.dumps(_manifest("/adapters/pirate-SEP")).encode().replace(b"-SEP", b"\xff")
+    status, reply = await _post(url, body, "application/yaml")
+    assert status == 400
+    assert "not UTF-8" in reply["error"]["message"]
+    assert registry.list() == []
+
+
+async def test_json_body_with_a_key_twice_is_a_400(admin_without_engines: tuple[str, Registry]) -> None:
+    # json.loads keeps the last of two equal keys: the first spec would be dropped without a word.
+    url, registry = admin_without_engines
+    manifest = json.dumps(_manifest("/a"))
+    body = manifest.replace('"spec":', '"spec": {"baseModel": "other"}, "spec":')
+    status, reply = await _post(url, f'{{"manifests": [{body}]}}'.encode(), "application/json")
+    assert status == 400
+    assert "duplicate key 'spec'" in reply["error"]["message"]
+    assert registry.list() == []
+
+
+async def test_applying_the_same_manifest_again_changes_nothing(admin_without_engines: tuple[str, Registry]) -> None:
+    url, registry = admin_without_engines
+    body = json.dumps({"manifests": [_manifest("/a")]}).encode()
+    results = []
+    for _ in range(2):
+        status, reply = await _post(url, body, "application/json")
+        assert status == 200
+        (applied,) = reply["applied"]
+        results.append((applied["metadata"]["generation"], applied["result"]))
+    assert results == [(1, "created"), (1, "unchanged")]
+    # What GET answers (residency included) applies again as it is, like `kubectl get -o yaml | kubectl apply`.
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{url}/admin/adapters/pirate", headers=AUTH) as response:
+            shown = await response.json()
+    assert "residency" in shown
+    status, reply = await _post(url, json.dumps(shown).encode(), "application/yaml")
+    assert (status, reply["applied"][0]["metadata"]["generation"], reply["applied"][0]["result"]) == (
+        200,
+        1,
+        "unchanged",
+    )
+    shown["spec"]["pin"] = True
+    status, reply = await _post(url, json.dumps({"manifests": [shown]}).encode(), "application/json")
+    assert (status, reply["applied"][0]["metadata"]["generation"], reply["applied"][0]["result"]) == (
+        200,
+        2,
+        "configured",
+    )
+    assert registry.get("pirate").generation == 2
+
+
+async def test_large_json_body_does_not_stall_the_event_loop(admin_without_engines: tuple[str, Registry]) -> None:
+    # ~6000 manifests in 1 MB, the last a duplicate: the duplicate check once counted each name in the whole
+    # list (about a second of the event loop that serves every request).
+    url, registry = admin_without_engines
+    manifests = [_manifest("/a") for _ in range(6000)]
+    for index, manifest in enumerate(manifests):
+        manifest["metadata"] = {"name": f"a{index}"}
+    manifests.append(manifests[0])
+    body = json.dumps({"manifests": manifests}, separators=(",", ":")).encode()
+    assert len(body) < 1_048_576
+    posting = asyncio.ensure_future(_post(url, body, "application/json"))
+    longest_tick = 0.0
+    while not posting.done():
+        started = time.monotonic()
+        await asyncio.sleep(0.01)
+        longest_tick = max(longest_tick, time.monotonic() - started)
+    status, reply = await posting
+    assert (status, reply["error"]["message"]) == (400, "manifests: 'a0' appears more than once")
+    assert longest_tick < 0.3
+    assert registry.list() == []

@@ -80,10 +80,14 @@ async def admin() -> AsyncIterator[FakeAdmin]:
         applied = []
         for manifest in (await request.json())["manifests"]:
             name = manifest["metadata"]["name"]
-            previous = state.adapters.get(name, {}).get("metadata", {}).get("generation", 0)
+            old = state.adapters.get(name)
+            previous = old["metadata"]["generation"] if old else 0
+            if old is not None and old["spec"] == manifest["spec"]:
+                applied.append({**old, "result": "unchanged"})
+                continue
             manifest["metadata"]["generation"] = previous + 1
             state.adapters[name] = manifest
-            applied.append(manifest)
+            applied.append({**manifest, "result": "configured" if old else "created"})
         return web.json_response({"applied": applied})
 
     def with_residency(name: str) -> dict[str, Any]:
@@ -176,8 +180,51 @@ async def test_apply_sends_parsed_manifests_with_resolved_sources(
     assert shout["spec"]["versions"][0]["source"] == str(tmp_path / "shout")
     assert shout["spec"]["allowedTenants"] == ["acme"] and shout["spec"]["pin"] is True
     out = capsys.readouterr().out
-    assert "adapter/pirate applied (generation 1)" in out
-    assert "adapter/shout applied (generation 1)" in out
+    assert "adapter/pirate created (generation 1)" in out
+    assert "adapter/shout created (generation 1)" in out
+
+
+async def test_apply_says_when_nothing_changed_like_kubectl(
+    admin: FakeAdmin, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _manifest_file(tmp_path)
+    assert await _run(admin, "apply", "-f", str(path)) == 0
+    capsys.readouterr()
+    path.write_text(MANIFEST.replace("pin: true", "pin: false"))
+    assert await _run(admin, "apply", "-f", str(path)) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "adapter/pirate unchanged (generation 1)",
+        "adapter/shout configured (generation 2)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--timeout", "-1", "get"], "--timeout: must be a positive number of seconds, got '-1'"),
+        (["--timeout", "nan", "get"], "--timeout: must be a positive number of seconds, got 'nan'"),
+        (["--timeout", "0", "get"], "--timeout: must be a positive number of seconds, got '0'"),
+        (["top", "--watch", "nan"], "--watch: must be a positive number of seconds, got 'nan'"),
+        (["top", "--watch", "inf"], "--watch: must be a positive number of seconds, got 'inf'"),
+        (["top", "--watch", "1", "--count", "0"], "--count: must be a positive integer, got '0'"),
+    ],
+)
+def test_bad_numbers_are_usage_errors(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Once ValueError / OverflowError tracebacks from socket.settimeout and time.sleep.
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--server", "http://127.0.0.1:1", *args])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "server", ["http://[::1", "localhost:8080", "ftp://127.0.0.1/", "http://", "http://127.0.0.1:99999"]
+)
+def test_malformed_server_url_fails_with_a_message(server: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--server", server, "get"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --server {server!r}: ")
+    assert "Traceback" not in err
 
 
 async def test_invalid_manifest_fails_before_any_request(
@@ -324,3 +371,16 @@ async def test_api_key_that_no_header_can_carry(admin: FakeAdmin, capsys: pytest
     assert code == 1
     assert "admin API key" in capsys.readouterr().err
     assert admin.requests == []
+
+
+async def test_server_that_takes_the_request_but_does_not_answer(capsys: pytest.CaptureFixture[str]) -> None:
+    # Connected and sent, then no reply in time: "cannot reach" was wrong, and hid that the apply may still land.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel completes connections; nothing ever reads or answers
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        code = await asyncio.to_thread(cli.main, ["--server", url, "--timeout", "0.3", "apply", "-f", str(EXAMPLES)])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert f"error: POST /admin/adapters: {url} did not answer within 0.3 s" in err
+    assert "it may still take effect" in err

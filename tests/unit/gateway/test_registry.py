@@ -4,6 +4,7 @@ import collections
 import dataclasses
 import json
 import logging
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -126,6 +127,20 @@ def test_parse_skips_empty_documents_and_accepts_json() -> None:
         (json.dumps(_doc(scopes=[""])), "spec.scopes"),
         (json.dumps(_doc(pinnedVerison="v1")), "spec.pinnedVerison: unknown field"),
         (MANIFESTS + "---\n" + MANIFESTS.split("---")[0], "document 3: adapter 'pirate' appears twice"),
+        # DNS labels, as Kubernetes names: a leading '-' also reads as an option to `adapterctl delete`.
+        (json.dumps({**_doc(), "metadata": {"name": "-pirate"}}), "metadata.name: must be a DNS label"),
+        (json.dumps({**_doc(), "metadata": {"name": "pirate-"}}), "metadata.name: must be a DNS label"),
+        (json.dumps({**_doc(), "metadata": {"name": "-"}}), "metadata.name: must be a DNS label"),
+        # "base" names the base model in requests: an adapter called so could never be asked for by its name.
+        (json.dumps({**_doc(), "metadata": {"name": "base"}}), "metadata.name: 'base' is reserved"),
+        # A typo would store an adapter that refuses every request of the kind meant.
+        (json.dumps(_doc(scopes=["chat", "completion"])), "spec.scopes: unknown scope 'completion'"),
+        # PyYAML keeps the last of two equal keys: the first block would be dropped without a word.
+        (
+            MANIFESTS.replace("  pin: false\n", "  pin: false\n  pin: true\n"),
+            "duplicate key 'pin'\n  in \"<unicode string>\", line 10",
+        ),
+        (MANIFESTS.replace("metadata: {name: pirate}", "metadata: {name: pirate, name: french}"), "duplicate key"),
     ],
 )
 def test_parse_names_what_is_wrong(text: str, fragment: str) -> None:
@@ -158,7 +173,7 @@ def test_survives_restart(tmp_path: Path) -> None:
     reg = Registry.open(path)
     for instance in parse_manifests(MANIFESTS):
         reg.apply(instance)
-    reg.apply(reg.get("pirate"))
+    reg.apply(dataclasses.replace(reg.get("pirate"), pin=True))
     reg.delete("shout")
     reg.close()
     reopened = Registry.open(path)
@@ -166,8 +181,54 @@ def test_survives_restart(tmp_path: Path) -> None:
     assert pirate.generation == 2
     assert pirate.versions == parse_manifests(MANIFESTS)[0].versions
     assert [i.name for i in reopened.list()] == ["pirate"]
-    assert reopened.apply(pirate).generation == 3
+    assert reopened.apply(dataclasses.replace(pirate, pin=False)).generation == 3
     reopened.close()
+
+
+def test_unchanged_spec_keeps_its_generation(tmp_path: Path) -> None:
+    # kubectl semantics: generation counts changes of the spec; applying the same manifest again changes nothing.
+    path = str(tmp_path / "registry.sqlite")
+    reg = Registry.open(path)
+    pirate = parse_manifests(MANIFESTS)[0]
+    assert reg.apply(pirate).generation == 1
+    assert reg.apply(pirate).generation == 1
+    assert reg.apply(dataclasses.replace(pirate, generation=7)).generation == 1
+    assert reg.apply_and_report(pirate) == (reg.get("pirate"), "unchanged")
+    changed, outcome = reg.apply_and_report(dataclasses.replace(pirate, pin=True))
+    assert (changed.generation, outcome) == (2, "configured")
+    assert reg.apply_and_report(parse_manifests(MANIFESTS)[1])[1] == "created"
+    reg.close()
+    reopened = Registry.open(path)
+    assert reopened.get("pirate").generation == 2
+    reopened.close()
+
+
+def test_stored_spec_that_no_longer_validates_is_skipped_not_fatal(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Rows written before a rule was tightened (names like "-x" were once accepted) must not stop the start.
+    path = str(tmp_path / "registry.sqlite")
+    reg = Registry.open(path)
+    reg.apply(parse_manifests(MANIFESTS)[0])
+    reg.close()
+    with sqlite3.connect(path) as db:
+        old = {**_doc(), "metadata": {"name": "-old", "generation": 3}}
+        db.execute("INSERT INTO adapters (name, generation, spec) VALUES (?, ?, ?)", ("-old", 3, json.dumps(old)))
+        db.execute("INSERT INTO adapters (name, generation, spec) VALUES (?, ?, ?)", ("torn", 1, "{"))
+    db.close()
+    with caplog.at_level(logging.ERROR, logger="gateway.registry"):
+        reopened = Registry.open(path)
+    assert [i.name for i in reopened.list()] == ["pirate"]
+    assert "'-old'" in caplog.text and "metadata.name" in caplog.text and "'torn'" in caplog.text
+    reopened.close()
+
+
+def test_manifest_read_back_from_the_admin_api_applies_again() -> None:
+    # `adapterctl get NAME -o yaml > f.yaml; adapterctl apply -f f.yaml`: the reply adds read-only residency.
+    data = {**parse_manifests(MANIFESTS)[0].to_dict(), "residency": [{"engine": "e0", "version": "v1", "state": "gpu"}]}
+    assert parse_manifests(yaml.safe_dump(data)) == parse_manifests(MANIFESTS)[:1]
+    with pytest.raises(InvalidRequest, match="residency: must be a list"):
+        AdapterInstance.from_dict({**data, "residency": "gpu"})
 
 
 def test_resolve_permissions_and_scope(registry: Registry) -> None:
