@@ -249,7 +249,7 @@ class LLMEngine:
             params=params,
             adapter=version,
             sink=sink,
-            decoder=IncrementalDecoder(self.tokenizer),
+            decoder=IncrementalDecoder(self.tokenizer, prompt_ids),
             generator=make_generator(params, self.device),
             priority=priority,
         )

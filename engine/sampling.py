@@ -85,8 +85,8 @@ def sample_tokens(
 
 def _truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Row-wise probabilities [R, vocab] after temperature, top-k (ties at the k-th score kept) and top-p
-    (the smallest prefix whose mass reaches top_p, always at least the top token): `reference_probs`,
-    for many rows at once."""
+    (the smallest prefix whose mass reaches top_p, always at least the top token, ties at its last token
+    kept): `reference_probs`, for many rows at once."""
     device, vocab = logits.device, logits.shape[-1]
     # Scores at most 0: over a tiny temperature (float32 goes down to 1e-45) logits overflowed to inf, and
     # softmax made the whole row NaN. Shifting by the row's maximum leaves softmax and the cuts unchanged.
@@ -112,7 +112,7 @@ _NUCLEUS_CANDIDATES = 1024
 
 def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """`probs` [R, vocab] cut to each row's smallest prefix (by probability) whose mass reaches `top_p`
-    [R, 1].
+    [R, 1], and every token as probable as the prefix's last one.
 
     On the CPU, sorting the whole vocabulary was most of a step's sampling time (about 2 ms a row on a
     2-core machine, bench/sampling.py), so rows whose nucleus lies within their top 1024 tokens (most
@@ -120,13 +120,16 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     would cost a read-back of the device's answer in mid-step: there the whole vocabulary is sorted.
     """
     if not probs.is_cuda:
-        values, order = probs.topk(min(_NUCLEUS_CANDIDATES, probs.shape[-1]), dim=-1)  # sorted, largest first
+        values = probs.topk(min(_NUCLEUS_CANDIDATES, probs.shape[-1]), dim=-1).values  # sorted, largest first
         if not bool((values.sum(-1, keepdim=True) >= top_p).all()):
-            values, order = torch.sort(probs, dim=-1, descending=True)
+            values = torch.sort(probs, dim=-1, descending=True).values
     else:
-        values, order = torch.sort(probs, dim=-1, descending=True)
-    kept = values.masked_fill(values.cumsum(-1) - values >= top_p, 0.0)
-    return torch.zeros_like(probs).scatter_(1, order, kept)
+        values = torch.sort(probs, dim=-1, descending=True).values
+    # Cut at a probability, not at a position: which of the tokens tied at the edge a position keeps
+    # depends on how a sort ordered them, and topk and a whole sort order ties differently, so a seeded
+    # row's tokens changed with the neighbours that made it sort whole (ties are common in bfloat16 logits).
+    count = (values.cumsum(-1) - values < top_p).sum(-1, keepdim=True)  # at least 1: the top token
+    return probs.masked_fill(probs < values.gather(1, count - 1), 0.0)
 
 
 def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -136,9 +139,9 @@ def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         scores = scores.masked_fill(scores < torch.topk(scores, params.top_k).values[-1], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs.masked_fill(drop, 0.0))
+        sorted_probs = torch.sort(probs, descending=True).values
+        count = int((sorted_probs.cumsum(-1) - sorted_probs < params.top_p).sum())
+        probs = probs.masked_fill(probs < sorted_probs[count - 1], 0.0)
     return probs
 
 

@@ -2,7 +2,8 @@
 
 Every step decodes all running requests and prefills as many waiting ones as KV slots, LoRA slots and the
 prefill token budget allow. A waiting request whose adapter is still loading is skipped, never blocking
-the requests behind it; it joins at the first step after its weights are ready.
+the requests behind it; it joins at the first step after its weights are ready. One that finds every LoRA
+slot busy does hold back the adapter requests behind it, so that the slots drain to it in turn.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Scheduler:
         """Move the waiting requests that can start now into `running`; return them (to prefill)."""
         admitted: list[Sequence] = []
         budget = self.max_num_batched_tokens
+        slots_taken = False  # a request ahead found every LoRA slot busy
         for seq in list(self.waiting):
             if self.kv.free_slots == 0:
                 break
@@ -39,9 +41,12 @@ class Scheduler:
             if not self._startable(seq):
                 continue
             if seq.adapter is not None:
-                slot = self.pool.acquire(seq.adapter)
+                # Admitted past a request that waits for a slot, later requests for the resident adapters
+                # would keep them busy: under steady traffic for those, it would never start.
+                slot = None if slots_taken else self.pool.acquire(seq.adapter)
                 if slot is None:
-                    continue  # every LoRA slot is busy with running requests
+                    slots_taken = True  # every LoRA slot is busy with running requests
+                    continue
                 seq.lora_slot = slot
             kv_slot = self.kv.allocate()
             assert kv_slot is not None

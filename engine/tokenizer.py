@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
@@ -33,8 +35,10 @@ class Tokenizer:
                     self._tok.save_pretrained(str(cached))
                 except OSError:
                     pass
-        eos = self._tok.eos_token_id
-        self.eos_token_ids: frozenset[int] = frozenset([] if eos is None else [int(eos)])
+        eos_ids = _generation_eos_ids(source.path) if source.kind == "hf" else set()
+        if self._tok.eos_token_id is not None:
+            eos_ids.add(int(self._tok.eos_token_id))
+        self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
         self.vocab_size = len(self._tok)
 
     @property
@@ -42,7 +46,10 @@ class Tokenizer:
         return bool(getattr(self._tok, "chat_template", None))
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
+        """Token ids of a plain prompt, with the special tokens the tokenizer puts around every input (the
+        BOS of Llama and Mistral), as the model saw its inputs in training; a model without them continues a
+        prompt noticeably worse."""
+        return list(self._tok.encode(text, add_special_tokens=True))
 
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         """Token ids of `messages` rendered with the model's chat template, ready for the reply; raises
@@ -57,7 +64,8 @@ class Tokenizer:
             )
         except TemplateError as exc:  # the template's own refusal (`raise_exception`), e.g. roles out of turn
             raise ValueError(f"the model's chat template refused these messages: {exc}") from exc
-        return self.encode(str(rendered))
+        # The template writes the special tokens itself (a BOS among them): adding them again would double them.
+        return list(self._tok.encode(str(rendered), add_special_tokens=False))
 
     @property
     def backend(self) -> Any:
@@ -66,6 +74,28 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+
+def _generation_eos_ids(folder: Path) -> set[int]:
+    """End-of-sequence ids of a Hugging Face model's generation config (its config.json's without one).
+
+    Chat models list the token that ends a turn there besides the tokenizer's end of text (Llama 3's
+    <|eot_id|>, Qwen2's <|im_end|>): with only the tokenizer's, a reply ran on past its turn to max_tokens.
+    """
+    for name in ("generation_config.json", "config.json"):
+        try:
+            config = json.loads((folder / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(config, dict) or "eos_token_id" not in config:
+            continue
+        eos = config["eos_token_id"]
+        ids = eos if isinstance(eos, list) else [eos]
+        return {i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0}
+    return set()
+
+
+_PROMPT_CONTEXT = 6  # prompt tokens decoded before a completion: enough for the last word and a split character
 
 
 class IncrementalDecoder:
@@ -77,9 +107,15 @@ class IncrementalDecoder:
     (`bench/detokenize.py`).
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()) -> None:
+        """`prompt_ids`: the tokens the completion follows. A SentencePiece decoder (Llama 2's, Mistral's)
+        drops the space of a text's first word, so decoded alone "The sea is" + " blue" read "The sea isblue";
+        the stream steps through the prompt's last tokens first, and the completion decodes as it reads
+        after them."""
         self._backend = tokenizer.backend
         self._stream = DecodeStream(skip_special_tokens=True)
+        for token_id in prompt_ids[-_PROMPT_CONTEXT:]:
+            self._stream.step(self._backend, token_id)
         self.text = ""
 
     def push(self, token_id: int) -> str:

@@ -72,12 +72,13 @@ CUTS = [
 def test_cuts_of_many_rows_at_once_match_the_reference() -> None:
     torch.manual_seed(0)
     logits = torch.randn(len(CUTS) + 1, 3000) * 3
-    logits[-1] = 0.0  # a flat row: its nucleus is 2700 tokens, past the 1024 candidates sorted first
+    # A nearly flat row of distinct scores: its nucleus is 2694 tokens, past the 1024 candidates sorted first.
+    logits[-1] = torch.linspace(0.0, 0.05, 3000)
     params = [*CUTS, SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9)]
     together = _truncated_probs(logits, params)
     for row, p in enumerate(params):
         torch.testing.assert_close(together[row], reference_probs(logits[row], p), rtol=1e-6, atol=1e-7)
-    assert int((together[-1] > 0).sum()) == 2700
+    assert int((together[-1] > 0).sum()) == 2694
 
 
 @pytest.mark.parametrize("params", CUTS[:4])
@@ -145,3 +146,22 @@ def test_a_tiny_temperature_draws_the_top_token() -> None:
         p = SamplingParams(max_tokens=1, temperature=temperature, seed=0)
         p.validate()
         assert sample(logits, [p, p], [make_generator(p, CPU), None]) == [1, 1]
+
+
+def test_a_seeded_row_with_tied_scores_does_not_depend_on_its_neighbours() -> None:
+    """Which tokens tied at the nucleus' edge were kept followed the order a sort gave them, and a row was
+    sorted whole or through its top 1024 depending on its neighbours: a seeded request's tokens changed with
+    the batch around it (ties are common in bfloat16 logits)."""
+    tied = torch.full((3000,), -5.0)
+    tied[:1500] = 5.0  # 1500 equally likely tokens; top_p 0.3 cuts through them
+    mine = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.3, seed=7)
+    wide = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9)  # a flat row: sorted whole
+
+    def draws(rows: torch.Tensor, batch: list[SamplingParams]) -> tuple[set[int], list[int]]:
+        kept = set(_truncated_probs(rows, batch)[0].nonzero().flatten().tolist())
+        generators = [make_generator(p, CPU) for p in batch]
+        return kept, [sample(rows, batch, generators)[0] for _ in range(20)]
+
+    alone = draws(tied[None], [mine])
+    assert alone == draws(torch.stack([tied, torch.zeros(3000)]), [mine, wide])
+    assert alone[0] == set(range(1500))  # every token tied at the edge is kept, as top-k keeps its ties

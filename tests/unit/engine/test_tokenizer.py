@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from engine.loader import resolve_model
+from engine.loader import ModelSource, resolve_model
 from engine.tokenizer import IncrementalDecoder, Tokenizer
 
 TEXT = "The sea is vast, 深い海 🌊 and full of life: naïve café, 바다! " * 3
@@ -69,3 +72,56 @@ def test_a_chat_the_template_refuses_is_a_value_error(tokenizer: Tokenizer, monk
     assert tokenizer.encode_chat([("user", "a"), ("assistant", "b"), ("user", "c")])
     with pytest.raises(ValueError, match="roles must alternate"):
         tokenizer.encode_chat([("user", "a"), ("user", "b")])
+
+
+def _llama_like(folder: Path, generation_config: dict[str, object] | None) -> Tokenizer:
+    """A Hugging Face model folder whose tokenizer, like Llama 2's, puts a BOS before every input and marks
+    word starts with "▁" (SentencePiece), the first word's dropped when decoding."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as Backend
+
+    folder.mkdir()
+    vocab = {"<s>": 0, "</s>": 1, "<eot>": 2, "<unk>": 3, "▁hi": 4, "▁sea": 5, "▁is": 6, "▁blue": 7}
+    backend = Backend(models.WordLevel(vocab, "<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    backend.decoder = decoders.Metaspace(prepend_scheme="first")
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    backend.add_special_tokens([AddedToken(t, special=True) for t in ("<s>", "</s>", "<eot>")])
+    backend.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 1}))
+    if generation_config is not None:
+        (folder / "generation_config.json").write_text(json.dumps(generation_config))
+    return Tokenizer(ModelSource(folder, "hf"))
+
+
+def test_the_generation_configs_end_tokens_end_a_completion(tmp_path: Path) -> None:
+    """Only the tokenizer's EOS was an end token: a chat model whose turns end with another (Llama 3's
+    <|eot_id|>, listed in generation_config.json) ran on past its reply to max_tokens."""
+    assert _llama_like(tmp_path / "listed", {"eos_token_id": [1, 2]}).eos_token_ids == {1, 2}
+    assert _llama_like(tmp_path / "one", {"eos_token_id": 2}).eos_token_ids == {1, 2}
+    assert _llama_like(tmp_path / "none", None).eos_token_ids == {1}  # config.json's, the tokenizer's too
+    # A generation config that names no end tokens leaves config.json's.
+    _llama_like(tmp_path / "silent", {"do_sample": True})
+    (tmp_path / "silent" / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": [1, 2]}))
+    assert Tokenizer(ModelSource(tmp_path / "silent", "hf")).eos_token_ids == {1, 2}
+
+
+def test_a_plain_prompt_gets_the_bos_its_tokenizer_adds_and_a_chat_no_second_one(tmp_path: Path) -> None:
+    """Plain prompts were encoded without special tokens: a Llama or Mistral model saw no BOS."""
+    tokenizer = _llama_like(tmp_path / "m", None)
+    assert tokenizer.encode("hi sea") == [0, 4, 5]
+    tokenizer._tok.chat_template = "<s>{% for m in messages %} {{ m['content'] }}{% endfor %}"
+    assert tokenizer.encode_chat([("user", "hi sea")]) == [0, 4, 5]
+
+
+def test_the_first_word_of_a_completion_keeps_its_space(tmp_path: Path) -> None:
+    """A SentencePiece decoder drops the space of a text's first word: decoded without the prompt before it,
+    "The sea is" + " blue" came out as "The sea isblue"."""
+    tokenizer = _llama_like(tmp_path / "m", None)
+    prompt = tokenizer.encode("hi sea is")
+    decoder = IncrementalDecoder(tokenizer, prompt)
+    assert [decoder.push(t) for t in tokenizer.encode("blue sea")[1:]] == [" blue", " sea"]
+    assert decoder.text == " blue sea"
+    assert IncrementalDecoder(tokenizer).push(7) == "blue"  # no prompt: a text of its own

@@ -1,0 +1,102 @@
+"""Scheduler: admission by KV slots, LoRA slots and the prefill budget; no request waits forever."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import cast
+
+import pytest
+import torch
+
+from engine.kv_cache import KVCache
+from engine.lora import LoRAStacks
+from engine.pool import AdapterPool, AdapterVersion
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import SeqStatus, Sequence
+from engine.tokenizer import IncrementalDecoder
+from tests.unit.engine.tiny import TINY, write_adapter
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def pool() -> Iterator[AdapterPool]:
+    stacks = LoRAStacks(TINY, slots=2, max_rank=8, dtype=torch.float32, device=CPU)
+    p = AdapterPool(TINY, stacks, torch.float32, host_capacity=8)
+    yield p
+    p.close()
+
+
+def _loaded(pool: AdapterPool, name: str, folder: Path) -> AdapterVersion:
+    version = pool.register(name, folder)
+    pool.wait_loaded(version, timeout=10)
+    return version
+
+
+def _seq(name: str, adapter: AdapterVersion | None, prompt_len: int = 4, priority: int = 0) -> Sequence:
+    return Sequence(
+        request_id=name,
+        prompt_ids=[1] * prompt_len,
+        params=SamplingParams(max_tokens=8),
+        adapter=adapter,
+        sink=lambda _: None,
+        decoder=cast(IncrementalDecoder, None),  # the scheduler never decodes
+        generator=None,
+        priority=priority,
+    )
+
+
+def _ids(seqs: list[Sequence]) -> list[str]:
+    return [s.request_id for s in seqs]
+
+
+def _scheduler(pool: AdapterPool, kv_slots: int = 8, budget: int = 64) -> Scheduler:
+    return Scheduler(KVCache(TINY, kv_slots, TINY.max_position, torch.float32, CPU), pool, budget)
+
+
+def test_a_request_waiting_for_a_lora_slot_is_not_starved_by_later_ones(pool: AdapterPool, tmp_path: Path) -> None:
+    """With every LoRA slot busy, later requests for the resident adapters were admitted past the one that
+    needed a slot, keeping those adapters busy: under steady traffic for them it never started."""
+    a, b, c = (_loaded(pool, n, write_adapter(tmp_path / n, seed=i)) for i, n in enumerate("abc"))
+    scheduler = _scheduler(pool)
+    first = [_seq("a1", a), _seq("b1", b)]
+    for seq in first:
+        scheduler.add(seq)
+    assert _ids(scheduler.schedule()) == ["a1", "b1"]  # both LoRA slots now busy
+    starved = _seq("c1", c)
+    scheduler.add(starved)
+    base = _seq("base", None)
+    for seq in (_seq("a2", a), _seq("b2", b), base):
+        scheduler.add(seq)
+    assert _ids(scheduler.schedule()) == ["base"]  # a request without an adapter takes no LoRA slot: it goes ahead
+    for seq in first:
+        scheduler.finish(seq)
+    assert _ids(scheduler.schedule())[0] == "c1" and starved.status is SeqStatus.RUNNING
+    assert c.slot is not None
+
+
+def test_kv_slots_bound_admission_and_return_when_requests_finish(pool: AdapterPool) -> None:
+    scheduler = _scheduler(pool, kv_slots=2)
+    seqs = [_seq(f"r{i}", None) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    assert _ids(scheduler.schedule()) == ["r0", "r1"]
+    assert scheduler.kv.free_slots == 0 and scheduler.waiting == seqs[2:]
+    scheduler.finish(seqs[0])
+    assert _ids(scheduler.schedule()) == ["r2"]
+    for seq in seqs[1:]:
+        scheduler.finish(seq)
+    assert scheduler.kv.free_slots == 2 and not scheduler.running and not scheduler.waiting
+
+
+def test_priority_then_arrival_order_within_the_prefill_budget(pool: AdapterPool) -> None:
+    scheduler = _scheduler(pool, budget=10)
+    low, big, high, small = _seq("low", None), _seq("big", None, 8), _seq("high", None, priority=1), _seq("s", None)
+    for seq in (low, big, high, small):
+        scheduler.add(seq)
+    assert _ids(scheduler.waiting) == ["high", "low", "big", "s"]
+    assert _ids(scheduler.schedule()) == ["high", "low"]  # `big` no longer fits this step's budget; `s` neither
+    assert _ids(scheduler.schedule()) == ["big"]
+    assert _ids(scheduler.schedule()) == ["s"]
