@@ -123,7 +123,11 @@ def main(argv: list[str] | None = None) -> None:
         except EngineError as exc:
             raise SystemExit(f"adapter {name!r}: {exc.message}") from exc
     grpc_thread = GrpcThread(engine, args.host, args.port)
-    port = grpc_thread.start()
+    try:
+        port = grpc_thread.start()
+    except OSError as exc:
+        engine.stop()  # its adapter loader processes and threads
+        raise SystemExit(f"cannot start the engine: {exc}") from exc
     stopping = threading.Event()
 
     def on_signal(*_: object) -> None:

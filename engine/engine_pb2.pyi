@@ -167,7 +167,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_total", "kv_blocks_used", "adapters", "model", "max_model_len", "lora_slots", "steps", "tokens_generated", "adapter_cache")
+    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_total", "kv_blocks_used", "adapters", "model", "max_model_len", "lora_slots", "steps", "tokens_generated", "adapter_cache", "draining")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class StatsResponse(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_CACHE_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     kv_blocks_total: int
@@ -190,7 +191,8 @@ class StatsResponse(_message.Message):
     steps: int
     tokens_generated: int
     adapter_cache: AdapterCacheStats
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., lora_slots: _Optional[int] = ..., steps: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., adapter_cache: _Optional[_Union[AdapterCacheStats, _Mapping]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., lora_slots: _Optional[int] = ..., steps: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., adapter_cache: _Optional[_Union[AdapterCacheStats, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class AdapterCacheStats(_message.Message):
     __slots__ = ("slot_hits", "slot_misses", "evictions", "loads", "fills_ahead")

@@ -178,6 +178,7 @@ class EngineService(pb_grpc.EngineServicer):
                 loads=s.adapter_cache.loads,
                 fills_ahead=s.adapter_cache.fills_ahead,
             ),
+            draining=e.draining,
         )
 
 
@@ -185,8 +186,11 @@ async def serve(engine: LLMEngine, host: str, port: int) -> tuple[grpc.aio.Serve
     """Start the gRPC server; returns it and the bound port (useful with port 0)."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_EngineServicer_to_server(EngineService(engine), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio raises where it once returned 0, with a text about GRPC_VERBOSITY
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
+        raise OSError(f"cannot listen on {host}:{port} (the port is in use, or the host is not this machine's)")
     await server.start()
     return server, bound

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -81,6 +82,9 @@ class Gateway:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._engine_calls = itertools.count()
+        # Engine ids are unique per gateway process too: several gateways may share an engine, and a client may
+        # send the same id through two of them (the engine refuses an id in use; an Abort must hit one call only).
+        self._process_token = secrets.token_hex(4)
         self.metrics.observe_queue(self.fair_queue.stats)
         self.metrics.observe_engines(lambda: {r.name: r.healthy for r in pool.replicas})
         self.metrics.observe_engine_stats(pool.polled_figures)
@@ -169,7 +173,8 @@ class Gateway:
                     try:
                         # One engine id per call: the Abort of a cut stream goes out in the background and must
                         # not reach a later call of the same client id (a retry, or the client's next request).
-                        call = dataclasses.replace(request, request_id=f"{queued_id}#{next(self._engine_calls)}")
+                        engine_id = f"{queued_id}#{self._process_token}.{next(self._engine_calls)}"
+                        call = dataclasses.replace(request, request_id=engine_id)
                         stream = self.pool.generate(ticket.slot, call, resolved, _trace_metadata(engine_span))
                         async with contextlib.aclosing(stream):
                             async for event in stream:
@@ -273,13 +278,13 @@ class Gateway:
             self._loop.call_soon_threadsafe(self._spawn, lambda: self._sync_adapter(name))
 
     def _on_replica_health(self, replica: Replica) -> None:
-        if replica.healthy:
+        if replica.healthy and not replica.draining:
             # Refreshed there: `pin` or a source may have changed while it was out of reach, adapters kept.
             self._spawn(lambda: self.pool.register_everywhere(self.registry.versions_in_use(), refresh=(replica,)))
         elif self.pool.healthy_count() == 0:
             failed = self.queue.fail_waiting(_no_engine())
             if failed:
-                log.warning("no engine replica is healthy: failed %d queued requests", failed)
+                log.warning("no engine replica takes requests: failed %d queued requests", failed)
 
     async def _sync_adapter(self, name: str) -> None:
         """Load the versions of `name` that now take traffic; retire the rest once idle."""

@@ -4,7 +4,8 @@ The pool knows each replica's health and which adapter versions it holds (polled
 updated by our own `LoadAdapter` calls). A request goes to a healthy replica with a free slot, preferring
 one where its adapter version is already known, else the least loaded. A replica that stops answering
 is marked unhealthy and its running streams are cut at once, so their clients hear UNAVAILABLE instead
-of waiting on a dead socket.
+of waiting on a dead socket. A replica that reports it drains (its process got SIGTERM) takes no new
+requests but stays healthy: its running streams finish there.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ class EnginePool:
         replica.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         replica.stub = pb_grpc.EngineStub(replica.channel)
         replica.adapters = {}
+        replica.draining = False  # a new process
         self._spawn(self._poll(replica))
 
     def add_capacity_listener(self, callback: Callable[[], None]) -> None:
@@ -125,24 +127,26 @@ class EnginePool:
         self._listeners.append(callback)
 
     def add_health_listener(self, callback: Callable[[Replica], None]) -> None:
-        """Call `callback(replica)` whenever a replica turns healthy or unhealthy (see `replica.healthy`)."""
+        """Call `callback(replica)` whenever a replica turns healthy or unhealthy, or starts draining (see
+        `replica.healthy`, `replica.draining`)."""
         self._health_listeners.append(callback)
 
     # -- slots ---------------------------------------------------------------------------------
 
     def has_capacity(self) -> bool:
-        """Whether some healthy replica has a free slot."""
-        return any(r.healthy and r.in_flight < r.capacity for r in self.replicas)
+        """Whether some replica taking new requests has a free slot."""
+        return any(_takes_requests(r) and r.in_flight < r.capacity for r in self.replicas)
 
     def healthy_count(self) -> int:
-        return sum(1 for r in self.replicas if r.healthy)
+        """Replicas taking new requests: healthy and not draining."""
+        return sum(1 for r in self.replicas if _takes_requests(r))
 
     def acquire(self, engine_name: str | None, exclude: Iterable[Replica] = ()) -> Replica | None:
         """Take a slot on the best replica for `engine_name` (None = base model), or None if all are full."""
         best: Replica | None = None
         best_key = (2, 0.0)
         for r in self.replicas:
-            if not r.healthy or r.in_flight >= r.capacity or r in exclude:
+            if not _takes_requests(r) or r.in_flight >= r.capacity or r in exclude:
                 continue
             # Resident versions first (no load on the request's path), then the least loaded replica.
             cold = 0 if engine_name is None or engine_name in r.adapters else 1
@@ -289,9 +293,21 @@ class EnginePool:
         request = pb.LoadAdapterRequest(
             name=adapter.engine_name, path=absolute_path(adapter.source), pin=adapter.pin, wait=False
         )
+        stub = replica.stub
         try:
-            response = await replica.stub.LoadAdapter(request, timeout=self._rpc_timeout_s)
+            response = await stub.LoadAdapter(request, timeout=self._rpc_timeout_s)
+        except asyncio.CancelledError:
+            if _channel_closed_under(replica, stub):
+                raise ReplicaFailed(f"engine replica {replica.name} restarted", before_admission=True) from None
+            raise
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                # Our RPC timeout, or the engine's check queued behind loads: a slow replica, not the request's
+                # deadline (DeadlineExceeded would tell a client without one "504 Deadline Exceeded").
+                raise ReplicaFailed(
+                    f"engine replica {replica.name} did not register {adapter.engine_name} in time: {e.details()}",
+                    before_admission=True,
+                ) from None
             error = self._error(replica, e, admitted=False)
             if isinstance(error, InvalidRequest | NotFound):  # the engine's verdict on the adapter, not a hiccup
                 self._refused.add((replica.name, adapter.engine_name))
@@ -309,7 +325,7 @@ class EnginePool:
 
         Without a healthy replica nothing can be checked; the versions load when replicas come up.
         """
-        replica = next((r for r in self.replicas if r.healthy), None)
+        replica = next((r for r in self.replicas if _takes_requests(r)), None)
         if replica is None:
             return
         for adapter in adapters:
@@ -380,6 +396,7 @@ class EnginePool:
             r.name: {
                 "address": r.address,
                 "healthy": r.healthy,
+                "draining": r.draining,
                 "in_flight": r.in_flight,
                 "capacity": r.capacity,
                 "adapters": dict(r.adapters),
@@ -421,10 +438,18 @@ class EnginePool:
 
     async def _poll(self, replica: Replica) -> None:
         before = dict(replica.adapters)
+        stub = replica.stub
         try:
-            stats = await replica.stub.Stats(pb.StatsRequest(), timeout=self._rpc_timeout_s)
+            stats = await stub.Stats(pb.StatsRequest(), timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
-            self._mark_unhealthy(replica, f"{e.code().name}: {e.details()}")
+            if replica.stub is stub:
+                self._mark_unhealthy(replica, f"{e.code().name}: {e.details()}")
+            return
+        except asyncio.CancelledError:
+            if _channel_closed_under(replica, stub):
+                return  # `set_address` replaced the channel and polls the new one itself
+            raise
+        if replica.stub is not stub:  # the old process's answer, which says nothing about the new one
             return
         replica.stats = stats
         # What the engine reports is the truth (it may have restarted and forgotten registrations);
@@ -438,11 +463,18 @@ class EnginePool:
             adapters.pop(name, None)
         replica.adapters = adapters
         replica.last_error = ""
+        was_draining, replica.draining = replica.draining, stats.draining
+        if replica.draining and not was_draining:
+            log.info("engine replica draining: no new requests go there", extra={"replica": replica.name})
+            for callback in self._health_listeners:  # the last replica taking requests may be gone
+                callback(replica)
         if not replica.healthy:
             replica.healthy = True
             log.info("engine replica healthy", extra={"replica": replica.name, "address": replica.address})
             for callback in self._health_listeners:
                 callback(replica)
+            self._notify()
+        elif was_draining and not replica.draining:  # a new process at the same address: it takes requests again
             self._notify()
         # Converge on what is wanted: a registration or an unload that failed (the replica unreachable, the
         # engine busy) or an engine that forgot its adapters is not left as it is until some request trips on it.
@@ -483,3 +515,14 @@ class EnginePool:
         task: asyncio.Task[object] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _takes_requests(replica: Replica) -> bool:
+    return replica.healthy and not replica.draining
+
+
+def _channel_closed_under(replica: Replica, stub: pb_grpc.EngineStub) -> bool:
+    """Whether a call on `stub` ended with CancelledError because `set_address` closed its channel (grpc.aio
+    cancels the calls of a closed channel that way), not because the awaiting task was cancelled."""
+    task = asyncio.current_task()
+    return replica.stub is not stub and task is not None and task.cancelling() == 0

@@ -30,6 +30,8 @@ class Replica:
     channel: grpc.aio.Channel
     stub: pb_grpc.EngineStub
     healthy: bool = False
+    # The engine reported that it drains (SIGTERM): no new requests go there, its open streams run to their end.
+    draining: bool = False
     in_flight: int = 0
     last_error: str = ""
     # Adapter engine names the engine reported (or we registered), with their state.

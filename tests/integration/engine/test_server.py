@@ -197,6 +197,7 @@ def test_sigterm_drains_the_streams_in_flight(tmp_path: Path) -> None:
         stream = stub.Generate(request)
         assert next(stream).admitted
         assert len(next(stream).token_ids) > 0  # a first token: the request is decoding
+        assert not stub.Stats(pb.StatsRequest()).draining
         proc.send_signal(signal.SIGTERM)
         # Until the handler has run, a short request is still served; then it is refused by the draining
         # engine itself ("shutting down"), not by a process that has already exited.
@@ -210,6 +211,8 @@ def test_sigterm_drains_the_streams_in_flight(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "SIGTERM did not start a drain"
             time.sleep(0.05)
         assert refused.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.details()
+        # Stats once still read as a healthy engine: the gateway went on routing new requests here to bounce.
+        assert stub.Stats(pb.StatsRequest()).draining
         rest = list(stream)
         assert rest[-1].finish_reason == "length" and rest[-1].usage.completion_tokens == 40
         assert proc.wait(timeout=30) == 0

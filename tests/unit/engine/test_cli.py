@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,29 @@ def test_engine_start_up_errors_exit_with_the_reason(tmp_path: Path) -> None:
     (tmp_path / "broken.gguf").write_bytes(b"not a model" * 100)
     with pytest.raises(SystemExit, match=r"cannot start the engine: broken\.gguf: not a readable GGUF file"):
         main(["--model", str(tmp_path / "broken.gguf"), "--device", "cpu"])
+
+
+class _StubEngine:
+    """Stands in for LLMEngine (no model): records `stop`."""
+
+    model_name = "stub"
+    stopped = False
+
+    def __init__(self, config: object) -> None:
+        pass
+
+    def stop(self) -> None:
+        _StubEngine.stopped = True
+
+
+def test_a_port_in_use_exits_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    # grpcio raises RuntimeError ("Failed to bind ... set GRPC_VERBOSITY=debug") where it once returned 0: the
+    # engine died with a traceback after loading its model, its loader workers left to the interpreter's exit.
+    monkeypatch.setattr("engine.engine.LLMEngine", _StubEngine)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit, match=rf"cannot start the engine: cannot listen on 127\.0\.0\.1:{port} \("):
+            main(["--port", str(port), "--device", "cpu"])
+    assert _StubEngine.stopped

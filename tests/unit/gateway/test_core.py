@@ -29,6 +29,7 @@ from gateway.tenancy import TenantDirectory
 from policy.static import StaticPolicy
 from tests.conftest import free_port
 from tests.support.waiting import until
+from tests.unit.gateway.test_engine_client import _DrainingEngine
 
 TENANTS: list[dict[str, Any]] = [
     {"name": "alice", "plain_api_keys": ["key-a"]},
@@ -164,6 +165,34 @@ async def test_deadline_while_queued_never_reaches_the_engine() -> None:
             assert _client_ids(slow) == ["busy"]
             assert gateway.queue_stats()["alice"].depth == 0
             assert isinstance((await busy)[-1], Done)
+
+
+async def test_queued_requests_fail_at_once_when_the_last_replica_starts_draining() -> None:
+    # A draining replica takes no new requests, but its health listeners were not told: the queued requests
+    # waited until the engine process exited (up to its drain timeout) before they failed.
+    async with _DrainingEngine(FastEngineOptions(chunks=100, delay_s=0.01)) as draining:
+        async with _gateway([draining], capacity=1) as gateway:
+            running = asyncio.create_task(_run(gateway, _req("running")))
+            await until(lambda: _engine_id(draining, "running") is not None)
+            queued = asyncio.create_task(_run(gateway, _req("queued")))
+            await until(lambda: gateway.queue_stats()["alice"].depth == 1)
+            draining.draining = True
+            events = await asyncio.wait_for(queued, timeout=0.5)  # the running stream still has ~0.8 s to go
+            assert isinstance(events[0], Error) and events[0].status is Status.UNAVAILABLE
+            assert not running.done()
+            assert isinstance((await running)[-1], Done)  # the stream in flight ends normally
+
+
+async def test_two_gateways_give_one_client_id_different_engine_ids(engine: FastEngineFixture) -> None:
+    # Engine ids were "<tenant>/<id>#<n>" with n counted from 0 in every gateway process: a client id sent
+    # through two gateways sharing an engine made one engine id, which the engine refuses while in use, and
+    # one gateway's Abort could end the other's call.
+    engine.record_requests = True
+    async with _gateway([engine]) as first, _gateway([engine]) as second:
+        for gateway in (first, second):
+            assert isinstance((await _run(gateway, _req("same")))[-1], Done)
+    one, two = (r.request_id for r in engine.requests_seen)
+    assert one != two and one.startswith("alice/same#") and two.startswith("alice/same#")
 
 
 async def test_queue_limits_throttle_with_retry_after() -> None:

@@ -16,7 +16,7 @@ from gateway.engine_client import EnginePool
 from gateway.engine_wire import SMALLEST_TOP_P, generate_request
 from gateway.errors import InvalidRequest
 from gateway.registry import ResolvedAdapter
-from gateway.replica import ReplicaFailed
+from gateway.replica import Replica, ReplicaFailed
 from tests.conftest import free_port
 from tests.support.waiting import until
 
@@ -307,3 +307,152 @@ async def test_a_poll_answer_older_than_an_unload_does_not_bring_it_back() -> No
             engine.release.set()
             await polling
             assert "pirate@v1" not in replica.adapters
+
+
+class _DrainingEngine(FastEngineFixture):
+    """Drains like `python -m engine` after SIGTERM once `draining` is set: Stats says so, new requests are
+    refused with UNAVAILABLE, the streams already open run to their end."""
+
+    draining = False
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")
+        async for response in super().Generate(request, context):
+            yield response
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        stats = await super().Stats(request, context)
+        stats.draining = self.draining
+        return stats
+
+
+async def test_a_draining_replica_gets_no_new_requests_and_finishes_its_streams(
+    engines: list[FastEngineFixture],
+) -> None:
+    # A draining engine once looked healthy to its polls: it kept being picked (least loaded, as its requests
+    # finish), and each new request bounced off it with UNAVAILABLE.
+    async with _DrainingEngine(FastEngineOptions(chunks=30, delay_s=0.01)) as engine:
+        addresses = [f"127.0.0.1:{engine.port}", f"127.0.0.1:{engines[0].port}"]
+        async with EnginePool(addresses, max_concurrency=4, poll_interval_s=60) as pool:
+            draining, other = pool.replicas
+            replica = pool.acquire(None)
+            assert replica is draining
+            running = asyncio.create_task(_collect_on(pool, replica, _request("running")))
+            await until(lambda: "running" in engine.active)
+            engine.draining = True
+            await pool.poll_once()
+            assert draining.healthy and draining.draining
+            assert pool.residency()[draining.name]["draining"] is True
+            assert pool.healthy_count() == 1
+            assert [pool.acquire(None) for _ in range(4)] == [other] * 4  # never the draining one
+            assert pool.acquire(None) is None and not pool.has_capacity()
+            events = await running  # not cut: the stream in flight ends normally
+            assert isinstance(events[-1], Done) and events[-1].finish_reason == "stop"
+            assert draining.healthy
+            # Another process at the same address (a restart between two polls) takes requests again.
+            woken: list[int] = []
+            pool.add_capacity_listener(lambda: woken.append(1))
+            engine.draining = False
+            await pool.poll_once()
+            assert woken and pool.acquire(None) is draining
+
+
+async def test_a_request_refused_by_a_draining_replica_is_retried_elsewhere(engines: list[FastEngineFixture]) -> None:
+    async with _DrainingEngine() as engine:
+        addresses = [f"127.0.0.1:{engine.port}", f"127.0.0.1:{engines[0].port}"]
+        async with EnginePool(addresses, poll_interval_s=60) as pool:
+            draining, other = pool.replicas
+            engine.draining = True  # since the last poll
+            replica = pool.acquire(None)
+            assert replica is draining
+            with pytest.raises(ReplicaFailed) as failure:
+                await _collect_on(pool, replica, _request("bounced"))
+            assert failure.value.before_admission  # retried by the gateway, and not on the same replica:
+            assert draining.healthy and draining.draining
+            assert pool.acquire(None) is other
+            assert pool.acquire(None) is other
+
+
+async def _collect_on(pool: EnginePool, replica: Replica, request: GatewayRequest) -> list[object]:
+    try:
+        return [event async for event in pool.generate(replica, request, None)]
+    finally:
+        pool.release(replica)
+
+
+async def test_polling_goes_on_after_a_restart_closed_the_channel_of_a_poll_in_flight() -> None:
+    # `set_address` closes the old channel; a Stats call still in flight on it raised CancelledError, which
+    # ended the poll loop for good: no replica's health or drain was ever noticed again.
+    old, new = _HeldStats(), _DrainingEngine()
+    async with old, new:
+        async with EnginePool([f"127.0.0.1:{old.port}"], poll_interval_s=0.02, rpc_timeout_s=5) as pool:
+            replica = pool.replicas[0]
+            old.hold = True
+            await asyncio.wait_for(old.asked.wait(), 5)  # the poll loop waits on the old process
+            pool.set_address(replica, f"127.0.0.1:{new.port}")
+            await until(lambda: replica.healthy)
+            new.draining = True
+            await until(lambda: replica.draining, timeout_s=5)
+            assert replica.healthy and replica.last_error == ""
+            old.release.set()
+
+
+class _HeldLoad(FastEngineFixture):
+    """Answers LoadAdapter only once `release` is set."""
+
+    def __init__(self, options: FastEngineOptions | None = None) -> None:
+        super().__init__(options)
+        self.asked, self.release = asyncio.Event(), asyncio.Event()
+
+    async def LoadAdapter(
+        self, request: pb.LoadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadAdapterResponse:
+        self.asked.set()
+        await self.release.wait()
+        return await super().LoadAdapter(request, context)
+
+
+async def test_a_registration_cut_by_a_restart_fails_the_request_as_retryable(
+    engines: list[FastEngineFixture],
+) -> None:
+    # The closed channel's CancelledError reached the request's task, which was not cancelled: the protocol
+    # took it for a client gone away and answered nothing, and the request was not retried.
+    old = _HeldLoad()
+    async with old:
+        async with EnginePool([f"127.0.0.1:{old.port}"], poll_interval_s=60) as pool:
+            replica = pool.replicas[0]
+            request = asyncio.create_task(_collect(pool, _request("cold"), _adapter()))
+            await asyncio.wait_for(old.asked.wait(), 5)
+            pool.set_address(replica, f"127.0.0.1:{engines[0].port}")
+            with pytest.raises(ReplicaFailed) as failure:
+                await request
+            assert failure.value.before_admission
+            old.release.set()
+
+
+class _SlowCheck(FastEngineFixture):
+    """LoadAdapter times out: the engine's own check queued behind loads, or no answer within the RPC timeout."""
+
+    own_timeout = True
+
+    async def LoadAdapter(
+        self, request: pb.LoadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadAdapterResponse:
+        if self.own_timeout:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"adapter {request.name!r}: its check timed out")
+        await asyncio.sleep(5)
+        return await super().LoadAdapter(request, context)
+
+
+@pytest.mark.parametrize("own_timeout", [True, False])
+async def test_a_registration_timing_out_fails_the_request_as_retryable(own_timeout: bool) -> None:
+    # It surfaced as DeadlineExceeded: a request without any deadline got 504 "Deadline Exceeded" (and was not
+    # tried again) because the engine was slow to check an adapter.
+    async with _SlowCheck() as engine:
+        engine.own_timeout = own_timeout
+        async with EnginePool([f"127.0.0.1:{engine.port}"], poll_interval_s=60, rpc_timeout_s=0.2) as pool:
+            with pytest.raises(ReplicaFailed, match="pirate@v1") as failure:
+                await _collect(pool, _request("cold"), _adapter())
+            assert failure.value.before_admission
+            assert pool.replicas[0].healthy
