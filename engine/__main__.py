@@ -21,8 +21,8 @@ from typing import Any
 from engine.config import EngineConfig
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+def build_parser(prog: str = "python -m engine") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051, help="0 picks a free port (see --ready-file)")
     parser.add_argument("--ready-file", type=Path, help='write {"port": N, "pid": P} here once serving')
@@ -94,13 +94,14 @@ class GrpcThread:
         self._loop.run_forever()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m engine") -> None:
+    """Run one engine process until SIGTERM/SIGINT; `prog` names the command in usage and errors."""
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
         format='{"ts": "%(asctime)s", "level": "%(levelname)s", "logger": "%(name)s", "msg": "%(message)s"}',
     )
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     try:
         config_from(args).validate()
     except ValueError as exc:

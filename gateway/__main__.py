@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import re
-import runpy
 import sys
 from collections.abc import Callable, Sequence
 
@@ -131,8 +130,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _engine(argv: list[str]) -> int:
     # Imported lazily: the engine pulls in torch, which the gateway itself never needs.
-    sys.argv = ["adaptergate engine", *argv]
-    runpy.run_module("engine", run_name="__main__", alter_sys=True)
+    from engine.__main__ import main as engine_main
+
+    engine_main(argv, prog="adaptergate engine")
     return 0
 
 

@@ -155,3 +155,12 @@ def test_admin_key_digests_must_be_what_hash_api_key_makes(digest: str) -> None:
     # Upper-case hex would never match a presented key; non-ASCII crashed the start when the admin API was built.
     with pytest.raises(ConfigError, match=re.escape("auth.admin_api_keys[0]: must be 'sha256:' + 64 lowercase hex")):
         validate(from_dict({"auth": {"admin_api_keys": [digest]}}))
+
+
+def test_adaptergate_engine_names_itself_in_usage_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    # It ran the engine module as `python -m engine`, whose name its usage and errors then showed.
+    with pytest.raises(SystemExit) as exit_:
+        main(["engine", "--port", "x"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: adaptergate engine ") and "adaptergate engine: error: argument --port" in err
