@@ -65,8 +65,9 @@ def kv_len_buckets(max_len: int) -> list[int]:
 
 
 def prefill_buckets(max_len: int) -> list[int]:
-    """Prompt-length buckets: 16 to 512 tokens, below the context length (a prompt leaves room for output)."""
-    return [b for b in _PREFILL_BUCKETS if b < max_len]
+    """Prompt-length buckets: 16 to 512 tokens, up to the context length (a padded prompt's rows write keys
+    and values at positions below its bucket, all inside the cache)."""
+    return [b for b in _PREFILL_BUCKETS if b <= max_len]
 
 
 def bucket_for(buckets: list[int], need: int) -> int | None:

@@ -163,3 +163,21 @@ def test_graph_replays_match_eager_steps_across_buckets(replays: list[object]) -
     steps = [(key.batch, key.kv_len) for key in replays if isinstance(key, cuda_graphs.GraphKey)]
     assert steps == [(4, 256)] * 6 + [(4, 300)] * 3 + [(2, 300)] * 3
     assert decode.replays == 12
+
+
+def test_a_prompt_just_under_the_context_replays_the_bucket_of_the_context_length(replays: list[object]) -> None:
+    # Buckets stopped below the context length: with a 256-token context, prompts of 129-255 tokens ran eagerly.
+    model, stacks = _model(), _stacks(fused=True)
+    graphed_kv = KVCache(ARCH, slots=2, max_len=256, dtype=torch.float32, device=CPU)
+    eager_kv = KVCache(ARCH, slots=2, max_len=256, dtype=torch.float32, device=CPU)
+    prefill = cuda_graphs.PrefillGraphs(model, graphed_kv, stacks, None)
+    prefill.capture_all()
+    assert prefill.lengths == [16, 32, 64, 128, 256]
+    prompt = [random.Random(1).randrange(ARCH.vocab_size) for _ in range(255)]
+    got = prefill.run(prompt, 0, 1)
+    assert got is not None and replays[-1] == (256, True)
+    whole = [SeqSlice(0, 0, 255, 255)]
+    lora = LoRABatch.build(_stacks(fused=False), [1] * 255, CPU)
+    want = model(torch.tensor(prompt), torch.arange(255), whole, eager_kv, lora)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(graphed_kv.k[0][0, :, :255], eager_kv.k[0][0, :, :255])  # the prompt's keys
