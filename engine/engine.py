@@ -233,7 +233,8 @@ class LLMEngine:
         if len(prompt_ids) >= self.max_model_len:
             raise EngineError(
                 "INVALID_ARGUMENT",
-                f"prompt has {len(prompt_ids)} tokens; this engine's context is {self.max_model_len} tokens",
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(prompt_ids)}. Shorten the prompt.",
             )
         version: AdapterVersion | None = None
         if adapter:

@@ -114,13 +114,23 @@ class EngineService(pb_grpc.EngineServicer):
         raise EngineError("INVALID_ARGUMENT", "one of prompt, chat or prompt_token_ids is required")
 
     def _sampling(self, s: pb.SamplingParams, prompt_len: int) -> SamplingParams:
-        room = self.engine.max_model_len - prompt_len
+        limit = self.engine.max_model_len
+        room = limit - prompt_len
+        # Worded as vLLM and OpenAI word it: clients (LiteLLM, LangChain) tell a context overflow by the phrase.
         if room <= 0:
             raise EngineError(
                 "INVALID_ARGUMENT",
-                f"prompt has {prompt_len} tokens; this engine's context is {self.engine.max_model_len} tokens",
+                f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len}. "
+                "Shorten the prompt.",
             )
-        wanted = s.max_tokens or self.engine.config.default_max_tokens
+        if s.max_tokens > room:  # asked for: refused, as vLLM does, not cut short without a word
+            raise EngineError(
+                "INVALID_ARGUMENT",
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + s.max_tokens} tokens ({prompt_len} in the prompt, {s.max_tokens} in the "
+                "completion). Shorten the prompt or lower max_tokens.",
+            )
+        wanted = s.max_tokens or self.engine.config.default_max_tokens  # 0: unset, up to the context
         return SamplingParams(
             max_tokens=min(wanted, room),
             temperature=s.temperature,

@@ -37,7 +37,7 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
         out["enum"] = [out.pop("const")]
     if "enum" in out:
         out["enum"] = [*out["enum"], None]
-    if "type" in out:
+    if out.get("type", "null") != "null":
         out["type"] = [out["type"], "null"]
     if "oneOf" in out:
         out["oneOf"] = [*out["oneOf"], {"type": "null"}]
@@ -87,7 +87,7 @@ _SAMPLING: dict[str, Any] = {
     "max_tokens": {"type": "integer", "minimum": 1},
     "temperature": {"type": "number", "minimum": 0, "maximum": 2},
     "top_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "top_k": {"type": "integer", "minimum": 0, "maximum": _MAX_TOP_K, "description": "Extension: 0 = off"},
+    "top_k": {"type": "integer", "minimum": -1, "maximum": _MAX_TOP_K, "description": "Extension: 0 or -1 = off"},
     "seed": {"type": "integer", "minimum": _MIN_SEED, "maximum": _MAX_SEED},
     "stop": {
         "description": "Empty strings are ignored",
@@ -100,6 +100,15 @@ _SAMPLING: dict[str, Any] = {
     "frequency_penalty": _unsupported({"type": "number", "const": 0}, "0"),
     "presence_penalty": _unsupported({"type": "number", "const": 0}, "0"),
     "logit_bias": _unsupported({"type": "object", "maxProperties": 0}, "{}"),
+    # vLLM's sampling extensions (rest_input._VLLM_NO_OPS).
+    "repetition_penalty": _unsupported({"type": "number", "const": 1}, "1"),
+    "min_p": _unsupported({"type": "number", "const": 0}, "0"),
+    "min_tokens": _unsupported({"type": "integer", "const": 0}, "0"),
+    "ignore_eos": _unsupported({"type": "boolean", "const": False}, "false"),
+    "stop_token_ids": _unsupported({"type": "array", "maxItems": 0}, "[]"),
+    "include_stop_str_in_output": _unsupported({"type": "boolean", "const": False}, "false"),
+    "use_beam_search": _unsupported({"type": "boolean", "const": False}, "false"),
+    **{f"guided_{kind}": _unsupported({"type": "null"}, "null") for kind in ("json", "regex", "choice", "grammar")},
 }
 
 _HEADERS = [

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 
@@ -38,7 +39,7 @@ from gateway.api import (
 )
 from gateway.errors import GatewayError, InvalidRequest, Status, Unauthenticated
 from protocols.openapi import openapi_document
-from protocols.rest_input import ParsedBody, parse_chat, parse_completion
+from protocols.rest_input import ParsedBody, parse_chat, parse_completion, parse_model
 
 log = logging.getLogger("adaptergate.rest")
 _tracer = trace.get_tracer("adaptergate.rest")
@@ -70,12 +71,21 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class HttpError(Exception):
     """A REST-level refusal that has no `Status` of its own (e.g. 413, 405)."""
 
-    def __init__(self, http_status: int, message: str, *, kind: str = "invalid_request_error", code: str = ""):
+    def __init__(
+        self,
+        http_status: int,
+        message: str,
+        *,
+        kind: str = "invalid_request_error",
+        code: str = "",
+        close: bool = False,
+    ):
         super().__init__(message)
         self.http_status = http_status
         self.message = message
         self.kind = kind
         self.code = code
+        self.close = close  # the connection cannot carry another request (its body framing is lost)
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> bytes:
@@ -198,7 +208,10 @@ class RestServer:
             self._refused(request, Status.INVALID_ARGUMENT if e.http_status < 500 else Status.INTERNAL)
             body = error_body(e.message, e.kind, None, e.code or None)
             headers = {"X-Request-Id": echo} if echo else None
-            return web.Response(status=e.http_status, body=body, content_type="application/json", headers=headers)
+            response = web.Response(status=e.http_status, body=body, content_type="application/json", headers=headers)
+            if e.close:
+                response.force_close()
+            return response
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -206,18 +219,21 @@ class RestServer:
             message = {404: f"no route for {request.path}", 405: f"method {request.method} not allowed here"}
             text = message.get(e.status, e.reason)
             code = "payload_too_large" if e.status == 413 else e.reason.lower().replace(" ", "_")
+            headers = {k: v for k, v in e.headers.items() if k == "Allow"}
+            if echo:
+                headers["X-Request-Id"] = echo
             return web.Response(
                 status=e.status,
                 body=error_body(text, "invalid_request_error", None, code),
                 content_type="application/json",
-                headers={k: v for k, v in e.headers.items() if k == "Allow"},
+                headers=headers,
             )
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:
             log.exception("unhandled error in %s %s", request.method, request.path)
             self._refused(request, Status.INTERNAL)
-            return error_response(Status.INTERNAL, "internal error")
+            return error_response(Status.INTERNAL, "internal error", request_id=echo)
         finally:
             self._active -= 1
             if not self._active:
@@ -243,10 +259,18 @@ class RestServer:
     async def _model(self, request: web.Request) -> web.Response:
         tenant = self._tenant(request)
         name = request.match_info["model"]
-        if name not in self._gateway.models_for(tenant):
+        # Every spelling a completion accepts ("base", the base model's name, "ADAPTER", "base:ADAPTER") names a
+        # model here too: clients check models.retrieve(model) before they use it.
+        try:
+            adapter = parse_model(name, self._model_name)
+        except GatewayError:  # "base:" names no model
+            adapter = name
+        served = self._gateway.models_for(tenant)
+        if name not in served and ("base" if adapter is None else adapter) not in served:
             # The same code as a completion request for an unknown model gets (see _event_error).
             message = f"The model {name!r} does not exist or you do not have access to it."
-            return error_response(Status.NOT_FOUND, message, param="model", code="model_not_found")
+            echo = _given_request_id(request.headers.get("X-Request-Id"))
+            return error_response(Status.NOT_FOUND, message, param="model", code="model_not_found", request_id=echo)
         return web.json_response(self._model_entry(name))
 
     async def _openapi_json(self, request: web.Request) -> web.Response:
@@ -334,6 +358,15 @@ class RestServer:
         except web.HTTPRequestEntityTooLarge:
             raise HttpError(
                 413, f"request body exceeds the limit of {self._max_body} bytes", code="payload_too_large"
+            ) from None
+        except RequestPayloadError:
+            # A body its Content-Encoding cannot decode (or cut short): bad input, not a 500. The rest of the
+            # body cannot be skipped, so the connection closes; marking the body read stops aiohttp from trying
+            # (and logging the same error again as unhandled).
+            request.content.feed_eof()
+            encoding = request.headers.get("Content-Encoding", "identity")
+            raise HttpError(
+                400, f"request body could not be read as Content-Encoding {encoding!r}", code="invalid_body", close=True
             ) from None
         if not raw:
             raise InvalidRequest("request body is empty; expected a JSON object")

@@ -21,6 +21,20 @@ _MAX_STOP = 4
 # engine client takes mod 2^64.
 _MAX_TOP_K = 2**32 - 1
 _MIN_SEED, _MAX_SEED = -(2**63), 2**64 - 1
+# vLLM's extra sampling fields -> their no-op values (null is one too). top_k is honoured, its -1 ("off") included.
+_VLLM_NO_OPS: dict[str, tuple[object, ...]] = {
+    "repetition_penalty": (1, 1.0),
+    "min_p": (0, 0.0),
+    "min_tokens": (0,),
+    "ignore_eos": (False,),
+    "stop_token_ids": ([],),
+    "include_stop_str_in_output": (False,),
+    "use_beam_search": (False,),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+}
 
 
 class FieldError(GatewayError):
@@ -132,13 +146,16 @@ def _common(
     for name in ("frequency_penalty", "presence_penalty"):
         _no_op(body, name, f"{name} is not supported (only 0)", 0, 0.0)
     _no_op(body, "logit_bias", "logit_bias is not supported", {})
+    # vLLM's sampling extensions, which vLLM clients send: SamplingParams has no knob for them either.
+    for name, accepted in _VLLM_NO_OPS.items():
+        _no_op(body, name, f"{name} is not supported (a vLLM extension)", *accepted)
     temperature = _number(body, "temperature", 0.0, 2.0)
     top_p = _number(body, "top_p", 0.0, 1.0)
     sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
-        top_k=_int(body, "top_k", 0, _MAX_TOP_K) or 0,
+        top_k=max(0, _int(body, "top_k", -1, _MAX_TOP_K) or 0),
         seed=_int(body, "seed", _MIN_SEED, _MAX_SEED),
         stop=_stop(body.get("stop")),
     )

@@ -92,3 +92,23 @@ async def test_async_client_streams(gateway: ServerProcess) -> None:
         )
         parts = [c.choices[0].delta.content async for c in stream if c.choices and c.choices[0].delta.content]
     assert parts == ["tok ", "tok "]
+
+
+@pytest.mark.parametrize("model", ["base", "pirate", "base:pirate"])
+def test_every_usable_model_name_can_be_retrieved(client: openai.OpenAI, model: str) -> None:
+    # "base:pirate" served completions but models.retrieve("base:pirate") was a 404.
+    assert client.models.retrieve(model).id == model
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    assert reply.model == model
+
+
+def test_vllm_extras_are_refused_unless_they_change_nothing(client: openai.OpenAI) -> None:
+    # vLLM clients send these through extra_body; they were ignored, changing the answer unannounced.
+    messages = [{"role": "user", "content": "x"}]
+    for name, value in (("repetition_penalty", 1.2), ("min_p", 0.05), ("ignore_eos", True), ("guided_choice", ["a"])):
+        with pytest.raises(openai.BadRequestError, match=f"{name} is not supported") as refused:
+            client.chat.completions.create(model="base", messages=messages, extra_body={name: value})
+        assert refused.value.param == name
+    no_ops = {"repetition_penalty": 1.0, "min_p": 0.0, "ignore_eos": False, "guided_choice": None, "top_k": -1}
+    reply = client.completions.create(model="base", prompt="x", max_tokens=2, extra_body=no_ops)
+    assert reply.choices[0].text == "tok tok "

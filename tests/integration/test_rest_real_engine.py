@@ -118,7 +118,7 @@ def test_streaming_through_the_openai_client(client: openai.OpenAI) -> None:
 def test_engine_refusals_keep_their_meaning(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError, match="adapter 'kraken' not found"):
         _greedy(client, "kraken")
-    with pytest.raises(openai.BadRequestError, match="this engine's context is 512 tokens"):
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 512 tokens; the prompt has"):
         _greedy(client, "base", prompt="word " * 2000)  # beyond max_model_len 512
 
 

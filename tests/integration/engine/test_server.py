@@ -96,6 +96,12 @@ def test_generate_streams_tokens_then_finish_and_usage(engine_process: tuple[pb_
         (chat_request("e1", "hi", adapter="missing"), grpc.StatusCode.NOT_FOUND, "missing"),
         (pb.GenerateRequest(request_id="e2"), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
         (pb.GenerateRequest(request_id="e3", prompt="word " * 400), grpc.StatusCode.INVALID_ARGUMENT, "context"),
+        # max_tokens past the context was cut short without a word (finish "length"); vLLM refuses it.
+        (
+            pb.GenerateRequest(request_id="e9", prompt="word " * 200, sampling=pb.SamplingParams(max_tokens=100)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "However, you requested",
+        ),
         (
             pb.GenerateRequest(
                 request_id="e4", chat=pb.ChatInput(messages=[pb.ChatMessage(role="wizard", content="x")])
