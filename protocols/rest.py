@@ -2,7 +2,7 @@
 
 Translation only: a JSON body becomes one `GatewayRequest`, the event stream becomes one JSON reply or
 SSE `data:` chunks ending with `data: [DONE]`. Every failure leaves as an OpenAI error object
-{"error": {"message", "type", "param", "code"}} with the HTTP status from `_HTTP_STATUS`; malformed
+{"error": {"message", "type", "param", "code"}} with the HTTP status from `rest_replies.HTTP_STATUS`; malformed
 input is a 4xx naming the problem, never a 500.
 
 Extra headers: `X-Request-Id` (echoed, generated when absent), `X-Routing-Key` (sticky adapter
@@ -19,7 +19,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -28,37 +28,19 @@ from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 
 from gateway.api import (
-    Done,
-    Error,
-    Event,
     GatewayRequest,
     HealthSource,
     Origin,
     Submitter,
-    TokenChunk,
 )
 from gateway.errors import GatewayError, InvalidRequest, Status, Unauthenticated
 from protocols.openapi import openapi_document
 from protocols.rest_input import ParsedBody, parse_chat, parse_completion, parse_model
+from protocols.rest_replies import error_body, error_response, stream_reply, whole_reply
 
 log = logging.getLogger("adaptergate.rest")
 _tracer = trace.get_tracer("adaptergate.rest")
 
-# Status -> (HTTP status, OpenAI error type): the one place REST turns outcomes into wire codes.
-_HTTP_STATUS: dict[Status, tuple[int, str]] = {
-    Status.OK: (200, ""),
-    Status.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    Status.UNAUTHENTICATED: (401, "authentication_error"),
-    Status.PERMISSION_DENIED: (403, "permission_error"),
-    Status.NOT_FOUND: (404, "not_found_error"),
-    Status.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    Status.CANCELLED: (499, "cancelled"),
-    Status.INTERNAL: (500, "server_error"),
-    Status.UNAVAILABLE: (503, "service_unavailable"),
-    Status.DEADLINE_EXCEEDED: (504, "timeout_error"),
-}
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_DONE = b"data: [DONE]\n\n"
 _MAX_REQUEST_ID = 128
 _UNGUARDED = frozenset({"/healthz", "/metrics", "/openapi.json"})
 # Requests that count in adaptergate_requests_total, refused or not.
@@ -86,30 +68,6 @@ class HttpError(Exception):
         self.kind = kind
         self.code = code
         self.close = close  # the connection cannot carry another request (its body framing is lost)
-
-
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
-
-
-def error_response(
-    status: Status,
-    message: str,
-    *,
-    param: str | None = None,
-    code: str | None = None,
-    retry_after_s: float | None = None,
-    request_id: str | None = None,
-) -> web.Response:
-    """The OpenAI-shaped error reply for a gateway `Status`."""
-    http, kind = _HTTP_STATUS[status]
-    headers: dict[str, str] = {}
-    if retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
-    if request_id:
-        headers["X-Request-Id"] = request_id
-    body = error_body(message, kind, param, code or status.value)
-    return web.Response(status=http, body=body, content_type="application/json", headers=headers)
 
 
 class RestServer:
@@ -267,7 +225,7 @@ class RestServer:
             adapter = name
         served = self._gateway.models_for(tenant)
         if name not in served and ("base" if adapter is None else adapter) not in served:
-            # The same code as a completion request for an unknown model gets (see _event_error).
+            # The same code as a completion request for an unknown model gets (see rest_replies.event_error).
             message = f"The model {name!r} does not exist or you do not have access to it."
             echo = _given_request_id(request.headers.get("X-Request-Id"))
             return error_response(Status.NOT_FOUND, message, param="model", code="model_not_found", request_id=echo)
@@ -318,9 +276,9 @@ class RestServer:
         events = self._gateway.submit(greq)
         try:
             if body.stream:
-                response = await _stream(request, events, body, request_id, chat)
+                response = await stream_reply(request, events, body, request_id, chat)
             else:
-                response = await _collect(events, body, request_id, chat)
+                response = await whole_reply(events, body, request_id, chat)
             span.set_attribute("http.response.status_code", response.status)
             return response
         finally:
@@ -376,135 +334,6 @@ class RestServer:
             raise InvalidRequest(f"request body is not valid JSON: {e}") from None
         except RecursionError:
             raise InvalidRequest("request body is nested too deeply") from None
-
-
-async def _collect(events: AsyncIterator[Event], body: ParsedBody, request_id: str, chat: bool) -> web.Response:
-    parts: list[str] = []
-    done: Done | None = None
-    async for event in events:
-        if type(event) is TokenChunk:
-            parts.append(event.text)
-        elif type(event) is Done:
-            done = event
-        elif isinstance(event, Error):
-            return _event_error(event, request_id)
-    if done is None:
-        return error_response(Status.INTERNAL, "the request ended without a result", request_id=request_id)
-    text = "".join(parts)
-    created = int(time.time())
-    usage = _usage(done)
-    choice: dict[str, Any]
-    if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": done.finish_reason,
-        }
-        reply = {
-            "id": f"chatcmpl-{request_id}",
-            "object": "chat.completion",
-            "created": created,
-            "model": body.model,
-            "choices": [choice],
-            "usage": usage,
-        }
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
-        reply = {
-            "id": f"cmpl-{request_id}",
-            "object": "text_completion",
-            "created": created,
-            "model": body.model,
-            "choices": [choice],
-            "usage": usage,
-        }
-    headers = {"X-Request-Id": request_id}
-    if done.adapter_version:
-        headers["X-Adapter-Version"] = done.adapter_version
-    return web.Response(body=json.dumps(reply).encode(), content_type="application/json", headers=headers)
-
-
-async def _stream(
-    request: web.Request, events: AsyncIterator[Event], body: ParsedBody, request_id: str, chat: bool
-) -> web.StreamResponse:
-    # Wait for the first event before committing to 200, so early failures keep their HTTP status.
-    first = await anext(events, None)
-    if first is None:
-        return error_response(Status.INTERNAL, "the request ended without a result", request_id=request_id)
-    if isinstance(first, Error):
-        return _event_error(first, request_id)
-    created = int(time.time())
-    model = json.dumps(body.model)
-    # A client's X-Request-Id may hold quotes or backslashes: escape it like every other string here.
-    if chat:
-        chunk_id = json.dumps(f"chatcmpl-{request_id}")
-        head = f'{{"id":{chunk_id},"object":"chat.completion.chunk","created":{created},"model":{model}'
-        open_text = head + ',"choices":[{"index":0,"delta":{"content":'
-        close_text = '},"logprobs":null,"finish_reason":null}]}\n\n'
-    else:
-        chunk_id = json.dumps(f"cmpl-{request_id}")
-        head = f'{{"id":{chunk_id},"object":"text_completion","created":{created},"model":{model}'
-        open_text = head + ',"choices":[{"index":0,"text":'
-        close_text = ',"logprobs":null,"finish_reason":null}]}\n\n'
-    prefix = b"data: " + open_text.encode()
-    suffix = close_text.encode()
-    response = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": request_id})
-    await response.prepare(request)
-    # The role travels once, in a chunk of its own as OpenAI sends it, but in the same write as the
-    # first text; the closing chunks go out with the end of the body. Fewer writes, fewer syscalls.
-    pending = b""
-    if chat:
-        role = (
-            ',"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}'
-        )
-        pending = b"data: " + (head + role).encode() + b"\n\n"
-    final = b""
-    event: Event | None = first
-    while event is not None:
-        if type(event) is TokenChunk:
-            await response.write(pending + prefix + json.dumps(event.text).encode() + suffix)
-            pending = b""
-        elif type(event) is Done:
-            reason = json.dumps(event.finish_reason)
-            if chat:
-                last = head + f',"choices":[{{"index":0,"delta":{{}},"logprobs":null,"finish_reason":{reason}}}]}}'
-            else:
-                last = head + f',"choices":[{{"index":0,"text":"","logprobs":null,"finish_reason":{reason}}}]}}'
-            final = b"data: " + last.encode() + b"\n\n"
-            if body.include_usage:
-                usage = head + ',"choices":[],"usage":' + json.dumps(_usage(event)) + "}"
-                final += b"data: " + usage.encode() + b"\n\n"
-            break
-        elif isinstance(event, Error):
-            _, kind = _HTTP_STATUS[event.status]
-            final = b"data: " + error_body(event.message, kind, None, event.status.value) + b"\n\n"
-            break
-        event = await anext(events, None)
-    await response.write_eof(pending + final + _DONE)
-    return response
-
-
-def _event_error(event: Error, request_id: str) -> web.Response:
-    param = "model" if event.status is Status.NOT_FOUND else None
-    code = "model_not_found" if event.status is Status.NOT_FOUND else None
-    return error_response(
-        event.status,
-        event.message,
-        param=param,
-        code=code,
-        retry_after_s=event.retry_after_s,
-        request_id=request_id,
-    )
-
-
-def _usage(done: Done) -> dict[str, int]:
-    u = done.usage
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-    }
 
 
 def _request_id(given: str | None) -> str:
