@@ -60,6 +60,7 @@ class AdapterVersion:
     active: int = 0  # running requests using the slot
     retired: bool = False  # replaced or unloaded; freed once idle
     last_used: float = 0.0
+    wanted: bool = False  # a request waits for it (`ready`) and has not acquired it since
     requests_served: int = 0
     tokens_generated: int = 0
     settled: threading.Event = field(default_factory=threading.Event)  # set when a load ends (any outcome)
@@ -149,7 +150,9 @@ class AdapterPool:
             if superseded is not None:
                 self._retire(superseded)
             if old is not None and old.spec.path == spec.path and old.error is None:
-                old.pinned = pinned
+                unpinned, old.pinned = old.pinned and not pinned, pinned
+                if unpinned:  # its host copy may have to go now, like any other beyond the capacity
+                    self._trim_host(keep=None)
                 return old
             if old is not None and old.error is None:
                 self._staged[name] = version
@@ -217,6 +220,7 @@ class AdapterPool:
     def ready(self, version: AdapterVersion) -> bool:
         """Whether `version` can get a slot now; starts its load if its weights are not in memory."""
         with self._lock:
+            version.wanted = True
             if version.weights is None and version.loading is None and not self._recently_failed(version):
                 self._start_load(version)
             return version.weights is not None
@@ -232,8 +236,11 @@ class AdapterPool:
         return version.error is not None and time.monotonic() - version.failed_at < self.negative_ttl_s
 
     def acquire(self, version: AdapterVersion) -> int | None:
-        """The slot holding `version` (loading it into one, evicting an idle adapter if needed), or None."""
+        """The slot holding `version` (loading it into one, evicting an idle adapter if needed), or None: every
+        slot is busy, or `version` was retired (replaced or unloaded) since the caller looked it up."""
         with self._lock:
+            if version.retired:  # a swap that ended on a loader thread meanwhile: its replacement starts instead
+                return None
             if version.slot is None:
                 if version.weights is None:
                     return None
@@ -249,6 +256,7 @@ class AdapterPool:
                 self.slot_hits += 1
             self._unclaimed.discard(version)
             self._eviction.on_access(version.key, 1, time.monotonic())
+            version.wanted = False
             version.active += 1
             version.requests_served += 1
             version.last_used = time.monotonic()
@@ -361,6 +369,9 @@ class AdapterPool:
         self._slots[slot] = version
         version.slot = slot
         self._eviction.on_insert(version.key, 1, time.monotonic())
+        # The adapter this fill evicted (if any) is now a host copy the host tier may drop: trimmed only as
+        # loads ended, an evicted one stayed beyond the capacity for as long as no load ended.
+        self._trim_host(keep=version)
         return True
 
     def _free_slot(self, spare: set[AdapterVersion] | None = None) -> int | None:
@@ -389,11 +400,16 @@ class AdapterPool:
         self.evictions += 1
         return slot
 
-    def _trim_host(self, keep: AdapterVersion) -> None:
-        # `keep` was just loaded for requests that wait for it: dropping it would only start its load again.
+    def _trim_host(self, keep: AdapterVersion | None) -> None:
+        # `keep` was just loaded for requests that wait for it (or filled into a slot): dropping it would only
+        # start its load again. Adapters others wait for (`wanted`) go last: loaded and not used yet, they
+        # ranked as the least recent, and each load for a waiting request dropped another's, which the next
+        # step loaded again, while adapters nobody had asked for since stayed.
         in_host = [v for v in self._by_name.values() if v.weights is not None]
         excess = len(in_host) - self._host_capacity
-        for v in sorted(in_host, key=lambda v: v.last_used):
+        if excess <= 0:
+            return
+        for v in sorted(in_host, key=lambda v: (v.wanted, v.last_used)):
             if excess <= 0:
                 break
             if v is not keep and v.slot is None and not v.pinned and v.active == 0:
@@ -417,6 +433,7 @@ class AdapterPool:
         self._discard_weights(version)
 
     def _discard_weights(self, version: AdapterVersion) -> None:
+        version.wanted = False  # a request still waiting asks again (`ready`)
         weights, version.weights = version.weights, None
         if weights is not None and weights.packed is not None and self._arena is not None:
             # Copies into a slot may still read the image: the arena reuses it once they have run.

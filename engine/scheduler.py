@@ -45,7 +45,9 @@ class Scheduler:
                 # would keep them busy: under steady traffic for those, it would never start.
                 slot = None if slots_taken else self.pool.acquire(seq.adapter)
                 if slot is None:
-                    slots_taken = True  # every LoRA slot is busy with running requests
+                    # Every LoRA slot busy with running requests; or the version was replaced since `_startable`
+                    # looked it up (a swap ending on a loader thread), which says nothing about the slots.
+                    slots_taken = slots_taken or not seq.adapter.retired
                     continue
                 seq.lora_slot = slot
             kv_slot = self.kv.allocate()

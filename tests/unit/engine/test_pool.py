@@ -390,3 +390,67 @@ def test_a_load_no_loader_can_take_fails_like_a_failed_load(tmp_path: Path) -> N
             pool.wait_loaded(other, timeout=1)
     finally:
         pool.close()
+
+
+def test_the_host_tier_drops_an_idle_adapter_before_one_that_requests_wait_for(tmp_path: Path) -> None:
+    """Host memory full and every slot busy: a load for a waiting request dropped another waiting request's
+    adapter (loaded, never used yet, so the least recent) and kept one that nobody had asked for since. Each
+    step's scheduling then loaded the dropped one again, whose load dropped the other: adapters read from disk
+    over and over for as long as the slots stayed busy."""
+    stacks = LoRAStacks(TINY, slots=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    pool = AdapterPool(TINY, stacks, torch.float32, host_capacity=4)
+    try:
+        x, y, z = (_loaded(pool, n, write_adapter(tmp_path / n, seed=i)) for i, n in enumerate("xyz"))
+        pool.acquire(x)
+        pool.release(x, tokens=1)
+        pool.acquire(y)  # busy
+        pool.acquire(z)  # busy; x, evicted from its slot, stays in host memory, idle
+        assert x.slot is None and x.weights is not None
+        a = pool.register("a", write_adapter(tmp_path / "a", seed=3))
+        assert not pool.ready(a)  # a request waits for a (the scheduler asks at every step)
+        pool.wait_loaded(a, timeout=10)
+        b = pool.register("b", write_adapter(tmp_path / "b", seed=4))
+        assert not pool.ready(b) and pool.ready(a)  # both requests wait for a slot
+        pool.wait_loaded(b, timeout=10)
+        assert a.weights is not None and b.weights is not None, "dropped an adapter a request waits for"
+        assert x.weights is None  # the one nobody waits for makes the room
+        loads = pool.loads_started
+        assert pool.ready(a) and pool.ready(b) and pool.loads_started == loads
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("fill", ["acquire", "fill_ahead"])
+def test_an_adapter_evicted_from_its_slot_leaves_host_memory_when_that_is_full(tmp_path: Path, fill: str) -> None:
+    """Host capacity counts every adapter with a host copy, those in slots too; only a load's end trimmed
+    the host tier. An adapter evicted from its slot into a full host tier then stayed: up to one adapter per
+    slot over the capacity, for as long as no load ended (with a pinned arena, extents new loads lacked)."""
+    stacks = LoRAStacks(TINY, slots=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    pool = AdapterPool(TINY, stacks, torch.float32, host_capacity=2)
+    try:
+        x, y = (_loaded(pool, n, write_adapter(tmp_path / n, seed=i)) for i, n in enumerate("xy"))
+        for v in (x, y):
+            pool.acquire(v)
+            pool.release(v, tokens=1)  # both idle in their slots
+        z = _loaded(pool, "z", write_adapter(tmp_path / "z", seed=2))
+        assert x.weights is not None and y.weights is not None  # nothing could be dropped: x and y in slots
+        if fill == "acquire":
+            assert pool.acquire(z) is not None
+        else:
+            assert pool.fill_ahead([z], most=1) == 1
+        assert x.slot is None and pool.evictions == 1
+        assert x.weights is None, "the evicted adapter kept its host copy beyond the host capacity"
+        assert y.weights is not None and z.weights is not None
+    finally:
+        pool.close()
+
+
+def test_unpinning_an_adapter_beyond_the_host_capacity_drops_its_host_copy(pool: AdapterPool, tmp_path: Path) -> None:
+    """A pinned adapter's host copy is kept whatever the capacity; unpinned, it stayed beyond it."""
+    pool._host_capacity = 1
+    folder = write_adapter(tmp_path / "p", seed=1)
+    pinned = _loaded(pool, "p", folder, pin=True)
+    other = _loaded(pool, "q", write_adapter(tmp_path / "q", seed=2))
+    assert pinned.weights is not None and other.weights is not None  # the pin and the load just ended stay
+    assert pool.register("p", folder, pinned=False) is pinned and not pinned.pinned
+    assert sum(v.weights is not None for v in (pinned, other)) == 1

@@ -100,3 +100,33 @@ def test_priority_then_arrival_order_within_the_prefill_budget(pool: AdapterPool
     assert _ids(scheduler.schedule()) == ["high", "low"]  # `big` no longer fits this step's budget; `s` neither
     assert _ids(scheduler.schedule()) == ["big"]
     assert _ids(scheduler.schedule()) == ["s"]
+
+
+def test_a_version_replaced_between_lookup_and_acquire_starts_no_request(
+    pool: AdapterPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hot swap ending on a loader thread between `_startable`'s lookup and `acquire` started the request on
+    the retired version; and a refused acquire read as "every slot busy", holding back the requests behind."""
+    old = _loaded(pool, "a", write_adapter(tmp_path / "a1", seed=1))
+    b = _loaded(pool, "b", write_adapter(tmp_path / "b", seed=2))
+    scheduler = _scheduler(pool)
+    running = _seq("running", old)  # keeps the old version in its slot through the swap
+    scheduler.add(running)
+    assert _ids(scheduler.schedule()) == ["running"]
+    raced, behind = _seq("raced", old), _seq("behind", b)
+    scheduler.add(raced)
+    scheduler.add(behind)
+    acquire = pool.acquire
+    swapped: list[AdapterVersion] = []
+
+    def acquire_after_a_swap(version: AdapterVersion) -> int | None:
+        if version is old and not swapped:  # the swap's load ends on its thread right now
+            swapped.append(pool.register("a", write_adapter(tmp_path / "a2", seed=3)))
+            pool.wait_loaded(swapped[0], timeout=10)
+        return acquire(version)
+
+    monkeypatch.setattr(pool, "acquire", acquire_after_a_swap)
+    assert _ids(scheduler.schedule()) == ["behind"]
+    assert old.retired and raced.status is SeqStatus.WAITING and old.active == 1  # the running request only
+    scheduler.finish(running)  # the old version's last request: its slot goes to the new one
+    assert _ids(scheduler.schedule()) == ["raced"] and raced.adapter is swapped[0]
