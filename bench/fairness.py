@@ -208,6 +208,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     cfg = SimConfig(seconds=args.seconds)
+    shortest = cfg.warmup_s + cfg.window_s  # the warm-up, then at least one measured window
+    if not args.seconds >= shortest:
+        parser.error(
+            f"--seconds must be at least {shortest:g} (a {cfg.warmup_s:g} s warm-up, then {cfg.window_s:g} s windows)"
+        )
     print(
         f"engine: {cfg.throughput_tok_s} tok/s, {cfg.slots} slots, {cfg.request_tokens} tokens/request; "
         f"offered heavy:light = {cfg.load_ratio:g}:1 ({cfg.light_offered_tok_s * cfg.load_ratio:g} vs "
