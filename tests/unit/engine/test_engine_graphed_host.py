@@ -1,0 +1,419 @@
+"""The whole engine step loop through its graphed path on the CPU: a tiny random model's `LLMEngine` given a
+`StepForward` with decode and prefill graphs (captured through `replays`, which reruns a graph's forward from
+its static buffers at each replay) and a prefill stream stood in for (`HostStream`), against the plain eager
+engine, token for token and each row's logits within 1e-4, through one script of requests joining and ending,
+aborts, stop strings, end tokens, hot swaps and fills ahead, sync and async steps.
+
+What the CPU cannot show: the kernels (triton attention, shrink/expand, the LoRA GEMM: stood in for by their
+torch definitions), real stream concurrency and the memory a captured graph bakes in (tests/gpu run those).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import engine.engine as engine_module
+from engine import cuda_graphs, kernels, kernels_gemm_lora
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.lora import LoRAStacks
+from engine.lora_plan import SegmentPlan
+from engine.sampling import SamplingParams
+from engine.sequence import RequestOutput, Sequence
+from engine.step_forward import StepForward
+from tests.integration.engine.test_engine_stress import tiny_model
+from tests.unit.engine.tiny import write_adapter
+
+MAX_LEN = 300  # KV-length buckets 256 and 300; prefill buckets 16 to 256
+MAX_SEQS = 6  # batch buckets 1, 2, 4, 6
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    rid: str
+    length: int  # prompt tokens (a fixed pseudo-random prompt of this length)
+    params: SamplingParams
+    adapter: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Swap:
+    """Register `name` anew from the adapter file `source` (a hot swap when `name` exists)."""
+
+    name: str
+    source: int
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    rid: str
+
+
+Event = Request | Swap | Abort
+
+
+def greedy(max_tokens: int, *stop: str) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, stop=stop)
+
+
+def seeded(max_tokens: int, seed: int, temperature: float = 1.3, top_p: float = 1.0, top_k: int = 0) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+
+
+# Events before the step of their index. Requests join while others run; prompts span every prefill bucket,
+# and past the largest (eager); the 250-token prompt decodes across the 256-key bucket and the 280-token one
+# up to the context length; 'a' is swapped while requests for it wait (KV slots full) and others run on it;
+# four adapters share three LoRA slots.
+SCRIPT: dict[int, list[Event]] = {
+    0: [
+        Swap("a", 0),
+        Swap("b", 1),
+        Swap("c", 2),
+        Swap("d", 3),
+        Request("r0", 5, greedy(40)),
+        Request("r1", 20, seeded(30, seed=1, top_p=0.9), "a"),
+        Request("r2", 250, greedy(24), "b"),
+        Request("r3", 16, greedy(30, "w7"), "a"),
+    ],
+    3: [
+        Request("r4", 270, seeded(20, seed=4, top_k=20), "c"),
+        Request("r5", 100, seeded(12, seed=5)),
+        Request("r6", 33, greedy(50), "b"),
+        Request("e0", 9, seeded(60, seed=7, temperature=4.0), "b"),  # ends with the end token
+    ],
+    5: [Request("r7", 8, greedy(20), "a"), Request("r8", 64, seeded(25, seed=8, temperature=2.0), "c")],
+    6: [Swap("a", 3), Request("r9", 1, greedy(10, "w1"), "a")],
+    8: [Abort("r6"), Abort("r0")],
+    12: [
+        Request("r10", 280, greedy(40)),
+        Request("r11", 128, seeded(30, seed=11, temperature=2.0), "b"),
+        Request("r12", 2, greedy(16), "a"),
+        Request("r13", 17, seeded(40, seed=13, temperature=2.5), "d"),
+    ],
+    15: [Swap("d", 1)],
+    20: [Abort("r2")],
+    30: [Request(f"s{i}", 3 + 9 * i, seeded(14, seed=20 + i, temperature=1.5), "abcd"[i % 4]) for i in range(6)],
+    33: [Abort("s2")],
+    # Alone at the end: base rows only, then one adapter beside base rows, whose longest row reads exactly
+    # the 256 keys of the smallest KV-length bucket, then one more.
+    100: [Request("t0", 7, greedy(6)), Request("t1", 40, seeded(6, seed=30))],
+    106: [Request("t3", 251, greedy(8), "b")],
+    110: [Request("u0", 12, greedy(6), "c"), Request("u1", 3, seeded(8, seed=31), "c"), Request("t2", 5, greedy(4))],
+}
+
+
+Summary = tuple[list[int], str, str | None]
+
+
+@dataclass
+class Outputs:
+    """What one request received."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+    def __call__(self, out: RequestOutput) -> None:
+        self.outputs.append(out)
+
+    @property
+    def summary(self) -> Summary:
+        return [t for o in self.outputs for t in o.token_ids], "".join(o.text for o in self.outputs), self.end
+
+    @property
+    def end(self) -> str | None:
+        return self.outputs[-1].finish_reason if self.outputs else None
+
+
+def prompt(length: int) -> list[int]:
+    gen = torch.Generator().manual_seed(length)
+    return torch.randint(2, 128, (length,), generator=gen).tolist()
+
+
+@dataclass
+class Run:
+    """A script's run: each request's outputs, and the logits of each of its rows by (step, request)."""
+
+    outputs: dict[str, Summary]
+    logits: dict[tuple[int, str], torch.Tensor]
+    swapped: list[tuple[str, str]]  # (waiting, running) requests on an adapter at its hot swap
+
+
+def drive(engine: LLMEngine, files: list[Path], script: dict[int, list[Event]]) -> Run:
+    """The engine's loop by hand, with the script's events before their steps."""
+    sinks: dict[str, Outputs] = {}
+    logits: dict[tuple[int, str], torch.Tensor] = {}
+    swapped: list[tuple[str, str]] = []
+    forward = engine.forward.logits
+
+    def recorded(*args: Any, **kwargs: Any) -> tuple[list[Sequence], torch.Tensor]:
+        order, rows = forward(*args, **kwargs)
+        for seq, row in zip(order, rows, strict=True):
+            logits[(step, seq.request_id)] = row.clone()
+        return order, rows
+
+    engine.forward.logits = recorded  # type: ignore[method-assign]
+    for step in range(400):
+        for event in script.get(step, []):
+            if isinstance(event, Request):
+                sinks[event.rid] = Outputs()
+                engine.add_request(event.rid, prompt(event.length), event.params, event.adapter, sinks[event.rid])
+            elif isinstance(event, Swap):
+                on = {s.adapter.name: s.request_id for s in engine.scheduler.running if s.adapter is not None}
+                wanted = [s.request_id for s in engine.scheduler.waiting if s.adapter and s.adapter.name == event.name]
+                swapped += [(rid, on[event.name]) for rid in wanted if event.name in on]
+                engine.load_adapter(event.name, str(files[event.source]), wait=True)
+            else:
+                engine.abort(event.rid)
+        engine._drain_commands()
+        engine._reap()
+        if engine.scheduler.has_work():
+            engine.step()
+        elif step > max(script):
+            break
+    assert all(sink.end is not None for sink in sinks.values()), "a request never ended"
+    return Run({rid: sink.summary for rid, sink in sinks.items()}, logits, swapped)
+
+
+def new_engine(model: Path, *, fused: bool, async_steps: str, lora_gemm: str, fills_ahead: int) -> LLMEngine:
+    config = EngineConfig(
+        model=str(model),
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=MAX_SEQS,
+        max_model_len=MAX_LEN,
+        max_num_batched_tokens=2 * MAX_LEN,
+        max_waiting=32,
+        lora_slots=3,
+        max_lora_rank=8,
+        host_adapter_cache=8,  # every adapter stays in host memory: no load runs between steps
+        adapter_eviction="lru",
+        adapter_loader="thread",
+        adapter_fills_ahead=fills_ahead,
+        async_steps=async_steps,
+        lora_gemm=lora_gemm,
+    )
+    if not fused:
+        return LLMEngine(config)
+    # Captured graphs read fused stacks (`LoRABatch.static`), which the engine makes on CUDA only.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_module, "LoRAStacks", functools.partial(LoRAStacks, fused=True))
+        return LLMEngine(config)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny matrices: a second intra-op thread only adds waits (the more so on a shared machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory.mktemp("graphed-model"))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    root = tmp_path_factory.mktemp("graphed-adapters")
+    shapes = [(4, ("q_proj", "v_proj")), (8, ("o_proj", "down_proj")), (2, ("gate_proj", "up_proj", "k_proj"))]
+    return [
+        write_adapter(root / f"a{i}", rank=shapes[i % 3][0], modules=shapes[i % 3][1], alpha=64.0, seed=i)
+        for i in range(4)
+    ]
+
+
+@pytest.fixture(scope="module")
+def expected(model: Path, files: list[Path]) -> dict[str, Run]:
+    """The script's outputs on the plain eager CPU engine, by `async_steps` (an abort ends a request before
+    it receives the token in flight, so async steps give it one token fewer)."""
+    runs: dict[str, Run] = {}
+    for async_steps in ("off", "on"):
+        engine = new_engine(model, fused=False, async_steps=async_steps, lora_gemm="off", fills_ahead=0)
+        try:
+            runs[async_steps] = drive(engine, files, SCRIPT)
+        finally:
+            engine.stop()
+    return runs
+
+
+class HostStream:
+    """A CUDA stream's stand-in: the CPU runs work as it is issued, so a stream only logs the waits between
+    streams, and entering and leaving it (`torch.cuda.stream`), into the replay log."""
+
+    def __init__(self, name: str, log: list[object]) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: HostStream) -> None:
+        self.log.append(f"{self.name} waits {other.name}")
+
+
+@pytest.fixture
+def prefill_stream(monkeypatch: pytest.MonkeyPatch, replays: list[object]) -> HostStream:
+    """The prefill stream, with `torch.cuda.current_stream` and `torch.cuda.stream` stood in for."""
+    current = [HostStream("main", replays)]
+
+    @contextlib.contextmanager
+    def stream(s: HostStream) -> Iterator[None]:
+        current.append(s)
+        replays.append(f"on {s.name}")
+        try:
+            yield
+        finally:
+            current.pop()
+            replays.append(f"off {s.name}")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    return HostStream("prefill", replays)
+
+
+@pytest.fixture
+def checked_plans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """`kernels.lora_apply` checking, before it runs, that the plan a graph's kernels would read (the CPU path
+    reads `token_slots` instead) groups exactly its rows by slot. The number of plans checked."""
+    checked: list[int] = []
+    apply = kernels.lora_apply
+
+    def lora_apply(*args: torch.Tensor, plan: SegmentPlan | None = None, **kwargs: object) -> None:
+        if plan is not None:
+            slots, order = args[6].tolist(), plan.token_order.tolist()
+            covered: list[int] = []
+            for slot, start, length, first in plan.chunks[: int(plan.num_real[0])].tolist():
+                rows = order[start : start + length]
+                assert first == rows[0] and {slots[t] for t in rows} == {slot}, "a chunk of another slot's rows"
+                covered += rows
+            assert sorted(covered) == [t for t, s in enumerate(slots) if s >= 0], "the plan misses LoRA rows"
+            checked.append(len(slots))
+        apply(*args, plan=plan, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kernels, "lora_apply", lora_apply)
+    return checked
+
+
+@pytest.fixture
+def gemm_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """`gemm_lora` stood in for by its torch definition, with the kernel's contract: every LoRA row of a tile
+    takes the adapter of its largest slot (the caller promises one adapter per batch). The rows of each call."""
+    rows: list[int] = []
+
+    def gemm_lora(*args: torch.Tensor | None, slice_sizes: list[int], **_: object) -> torch.Tensor:
+        x, w, bias, a, b, ranks, scalings, token_slots = args
+        assert x is not None and token_slots is not None
+        rows.append(x.shape[0])
+        top = torch.full_like(token_slots, int(token_slots.max()))
+        slots = torch.where(token_slots >= 0, top, token_slots)
+        return kernels_gemm_lora.reference_gemm_lora(x, w, bias, a, b, ranks, scalings, slots, slice_sizes=slice_sizes)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kernels_gemm_lora, "gemm_lora", gemm_lora)
+    return rows
+
+
+def graph(engine: LLMEngine, prefill_stream: HostStream) -> None:
+    """Give `engine` the graphed forward it gets on CUDA (`LLMEngine.__init__`)."""
+    decode = cuda_graphs.DecodeGraphs(engine.model, engine.kv, engine.stacks, engine.kv.total, None)
+    decode.capture_all()
+    prefill = cuda_graphs.PrefillGraphs(engine.model, engine.kv, engine.stacks, None)
+    prefill.capture_all()
+    engine.forward = StepForward(engine.model, engine.kv, engine.stacks, engine.device, decode, prefill, prefill_stream)  # type: ignore[arg-type]
+
+
+def check_streams(log: list[object]) -> None:
+    """Prefill graphs replay on the prefill stream, which first waits for the main one; decode graphs replay
+    on the main stream, which waits for the prefill stream before the step's logits are read."""
+    stream, joined, last_wait = "main", True, ""
+    for entry in log:
+        if entry == "on prefill":
+            assert stream == "main" and last_wait == "prefill waits main", "prefills start before the stream waits"
+            stream = "prefill"
+        elif entry == "off prefill":
+            stream = "main"
+        elif isinstance(entry, tuple):  # a prefill graph's key
+            assert stream == "prefill", f"prefill graph {entry} replayed on the main stream"
+            joined = False
+        elif isinstance(entry, cuda_graphs.GraphKey):
+            assert stream == "main", f"decode graph {entry} replayed on the prefill stream"
+        elif entry == "main waits prefill":
+            joined = True
+        if isinstance(entry, str) and "waits" in entry:
+            last_wait = entry
+        if entry == "prefill waits main":
+            assert joined, "a step's prefills were never joined to the main stream"
+    assert joined
+
+
+# Engine options, and which graph families the forward gets (benchmarks drop either at any time).
+VARIANTS: dict[str, tuple[dict[str, Any], tuple[bool, bool]]] = {
+    "sync": (dict(async_steps="off", lora_gemm="off", fills_ahead=0), (True, True)),
+    "async": (dict(async_steps="on", lora_gemm="off", fills_ahead=2), (True, True)),
+    "sync-lora-gemm": (dict(async_steps="off", lora_gemm="on", fills_ahead=2), (True, True)),
+    "async-lora-gemm": (dict(async_steps="on", lora_gemm="on", fills_ahead=0), (True, True)),
+    "async-decode-graphs-only": (dict(async_steps="on", lora_gemm="on", fills_ahead=2), (True, False)),
+    "sync-prefill-graphs-only": (dict(async_steps="off", lora_gemm="off", fills_ahead=2), (False, True)),
+}
+
+
+def test_the_script_exercises_every_ending(expected: dict[str, Run]) -> None:
+    ran = expected["off"].outputs
+    assert expected["off"].swapped, "no hot swap while requests for the adapter waited and others ran on it"
+    assert ran["r0"][0][:-1] == expected["on"].outputs["r0"][0]  # aborted: without the token in flight
+    ends = collections.Counter(end for _, _, end in ran.values())
+    assert set(ends) == {"length", "stop", "abort"}, ends
+    stop_strings = {e.rid for events in SCRIPT.values() for e in events if isinstance(e, Request) and e.params.stop}
+    by_string = [rid for rid in stop_strings if ran[rid][2] == "stop"]
+    by_end_token = [rid for rid, (_, _, end) in ran.items() if end == "stop" and rid not in stop_strings]
+    assert by_string and by_end_token, (by_string, by_end_token)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_graphed_steps_give_the_eager_engines_tokens(
+    variant: str,
+    model: Path,
+    files: list[Path],
+    expected: dict[str, Run],
+    replays: list[object],
+    prefill_stream: HostStream,
+    gemm_rows: list[int],
+    checked_plans: list[int],
+) -> None:
+    options, (decode_graphs, prefill_graphs) = VARIANTS[variant]
+    engine = new_engine(model, fused=True, **options)
+    try:
+        graph(engine, prefill_stream)
+        decode, prefill = engine.graphs, engine.prefill_graphs
+        engine.graphs = decode if decode_graphs else None
+        engine.prefill_graphs = prefill if prefill_graphs else None
+        del replays[:]  # the captures' warm-ups
+        got = drive(engine, files, SCRIPT)
+    finally:
+        engine.stop()
+    want = expected[options["async_steps"]]
+    for rid, summary in want.outputs.items():
+        assert got.outputs[rid] == summary, f"{variant}: {rid}"
+    assert got.logits.keys() == want.logits.keys()
+    for key, row in want.logits.items():
+        where = f"{variant} {key}: "
+        torch.testing.assert_close(got.logits[key], row, rtol=1e-4, atol=1e-4, msg=where.__add__)
+    check_streams(replays)
+    assert decode is not None and prefill is not None
+    keys = collections.Counter(key for key in replays if isinstance(key, cuda_graphs.GraphKey))
+    assert decode.replays == sum(keys.values())
+    if decode_graphs:
+        assert {k.batch for k in keys} == {1, 2, 4, 6} and {k.kv_len for k in keys} == {256, MAX_LEN}
+        kinds = {(False, False), (True, False)} | ({(True, True)} if options["lora_gemm"] == "on" else set())
+        assert {(k.lora, k.single) for k in keys} == kinds
+        assert bool(gemm_rows) == (options["lora_gemm"] == "on") and checked_plans
+    prompts = collections.Counter(key for key in replays if isinstance(key, tuple))
+    assert prefill.replays == sum(prompts.values())
+    if prefill_graphs:
+        assert {n for n, _ in prompts} == {16, 32, 64, 128, 256} and {lora for _, lora in prompts} == {True, False}
+    assert bool(keys) == decode_graphs and bool(prompts) == prefill_graphs
