@@ -148,10 +148,10 @@ class Gateway:
         queued_id = f"{tenant}/{request.request_id}"
         try:
             try:
-                if not self.pool.healthy_count():
-                    raise _no_engine()
+                # Engines are checked after admission: a request that can never succeed (unknown adapter, policy
+                # denial) gets its own refusal, not a 503 whose Retry-After invites the client to send it again.
                 resolved = await self._admit(request)
-                if not self.pool.healthy_count():  # the last engine went away during the policy check
+                if not self.pool.healthy_count():
                     raise _no_engine()
                 engine_name = resolved.engine_name if resolved is not None else None
                 cost = self._cost(request)

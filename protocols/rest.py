@@ -19,7 +19,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -28,6 +28,8 @@ from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 
 from gateway.api import (
+    Error,
+    Event,
     GatewayRequest,
     HealthSource,
     Origin,
@@ -46,6 +48,8 @@ _UNGUARDED = frozenset({"/healthz", "/metrics", "/openapi.json"})
 # Requests that count in adaptergate_requests_total, refused or not.
 _INFERENCE = frozenset({"/v1/chat/completions", "/v1/completions"})
 _TENANT = web.RequestKey("tenant", str)  # request storage: the tenant, once authenticated
+# After the drain timeout: how long requests that were cut get to send their error before connections close.
+_CUT_GRACE_S = 1.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -100,6 +104,8 @@ class RestServer:
         self._active = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._generating: set[asyncio.Task[Any]] = set()
+        self._cut: set[asyncio.Task[Any]] = set()
         self.draining = False
         self.port = 0
 
@@ -128,13 +134,21 @@ class RestServer:
             self._runner = None
 
     async def drain(self) -> None:
-        """Answer 503 to new requests and wait (bounded) for in-flight ones to finish."""
+        """Answer 503 to new requests and wait (bounded) for in-flight ones to finish; those still running
+        then end with a 503 error (an error chunk in a stream) rather than a dropped connection."""
         self.draining = True
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self._drain_timeout_s):
                 await self._idle.wait()
-        if self._active:
-            log.warning("drain timeout: %d requests still running are cut", self._active)
+        if not self._active:
+            return
+        log.warning("drain timeout: %d requests still running are cut", self._active)
+        self._cut = set(self._generating)
+        for task in self._cut:
+            task.cancel()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_CUT_GRACE_S):
+                await self._idle.wait()
 
     # -- middleware ----------------------------------------------------------------------------
 
@@ -273,7 +287,10 @@ class RestServer:
             routing_key=headers.get("X-Routing-Key") or body.user,
             trace_context=carrier,
         )
-        events = self._gateway.submit(greq)
+        events = self._until_cut(self._gateway.submit(greq))
+        task = asyncio.current_task()
+        if task is not None:
+            self._generating.add(task)
         try:
             if body.stream:
                 response = await stream_reply(request, events, body, request_id, chat)
@@ -287,6 +304,25 @@ class RestServer:
             if aclose is not None:
                 await aclose()
             span.end()
+            if task is not None:
+                self._generating.discard(task)
+
+    async def _until_cut(self, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+        """`events`, ending with an UNAVAILABLE error if `drain` cuts the request (it cancels the handler: the
+        request leaves the queue or its engine as for a client that went away, but this client hears why)."""
+        try:
+            async for event in events:
+                yield event
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task not in self._cut:
+                raise
+            task.uncancel()
+            yield Error(Status.UNAVAILABLE, "the gateway shut down before the request finished (drain timeout)")
+        finally:
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     def _tenant(self, request: web.Request) -> str:
         auth = request.headers.get("Authorization")

@@ -325,6 +325,16 @@ async def test_without_any_healthy_engine_requests_fail_fast() -> None:
         assert events[0].retry_after_s is not None
 
 
+async def test_without_any_healthy_engine_bad_requests_still_get_their_own_refusal() -> None:
+    # Every request was answered 503 "no engine replica is available" (Retry-After 2) while the engines were down,
+    # an unknown adapter or a policy denial too: clients retried requests that could never succeed.
+    async with _gateway([free_port()]) as gateway:
+        unknown = await asyncio.wait_for(_run(gateway, _req("unknown", adapter="nope")), 5)
+        assert isinstance(unknown[0], Error) and unknown[0].status is Status.NOT_FOUND
+        forbidden = await asyncio.wait_for(_run(gateway, _req("forbidden", tenant="bob", adapter="pirate")), 5)
+        assert isinstance(forbidden[0], Error) and forbidden[0].status is Status.PERMISSION_DENIED
+
+
 async def test_losing_the_last_engine_fails_queued_requests() -> None:
     slow = FastEngineFixture(FastEngineOptions(chunks=1000, delay_s=0.01))
     await slow.start()

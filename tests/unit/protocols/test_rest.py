@@ -12,6 +12,7 @@ import pytest
 from gateway.api import Done, Error, Event, GatewayRequest, Origin, TokenChunk, Usage
 from gateway.errors import Status, Unauthenticated
 from protocols.rest import RestServer
+from tests.support.waiting import until
 
 KEY = {"Authorization": "Bearer good"}
 
@@ -442,3 +443,27 @@ async def test_refusals_before_submit_are_counted_once_with_their_tenant(
         ("t1", Status.INVALID_ARGUMENT),
     ]
     assert gateway.requests == []  # none reached submit, so none is counted twice
+
+
+async def test_drain_timeout_ends_running_requests_with_an_error_not_a_dropped_connection(
+    http: aiohttp.ClientSession,
+) -> None:
+    gateway = FakeGateway()
+    server = RestServer(gateway, port=0, request_timeout_s=30, drain_timeout_s=0.3, model_name="smol")
+    await server.__aenter__()
+    url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+    try:
+        whole = asyncio.create_task(http.post(url, json=_chat(model="slow"), headers={**KEY, "X-Request-Id": "w"}))
+        streamed = await http.post(url, json=_chat(model="slow", stream=True), headers={**KEY, "X-Request-Id": "s"})
+        assert streamed.status == 200
+        await streamed.content.readline()  # its first chunk is out: the stream has started
+        await until(lambda: len(gateway.requests) == 2)
+    finally:
+        await server.__aexit__(None, None, None)  # gateway.release is never set: the drain times out
+    response = await whole
+    assert response.status == 503
+    assert (await response.json())["error"]["code"] == "unavailable"
+    rest_of_stream = (await streamed.text()).strip().split("\n\n")  # after the chunk read above
+    assert rest_of_stream[-1] == "data: [DONE]"
+    assert json.loads(rest_of_stream[-2].removeprefix("data: "))["error"]["code"] == "unavailable"
+    assert sorted(gateway.closed) == ["s", "w"]
