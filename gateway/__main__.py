@@ -52,7 +52,7 @@ def build_protocols(config: Config) -> Callable[[Gateway], Sequence[ProtocolServ
     from protocols.rest import RestServer
 
     def make(gateway: Gateway) -> Sequence[ProtocolServer]:
-        admin = AdminApi(gateway, admin_key_digests(config))
+        admin = AdminApi(gateway, admin_key_digests(config), base_model=config.model.name)
         metrics = gateway.metrics
 
         async def scrape(request: web.Request) -> web.Response:

@@ -35,9 +35,11 @@ _YAML_TYPES = frozenset({"application/yaml", "application/x-yaml", "text/yaml", 
 class AdminApi:
     """Route handlers over one `Gateway`, guarded by a set of admin key digests."""
 
-    def __init__(self, gateway: Gateway, key_digests: Sequence[str]) -> None:
+    def __init__(self, gateway: Gateway, key_digests: Sequence[str], base_model: str | None = None) -> None:
+        """`base_model`: the name of the model the engines serve; manifests for another are refused."""
         self._gateway = gateway
         self._digests = [d.encode("ascii") for d in key_digests]
+        self._base_model = base_model
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -64,6 +66,14 @@ class AdminApi:
     async def _apply(self, request: web.Request) -> web.Response:
         self._authorize(request)
         instances = await _read_manifests(request)
+        for instance in instances:
+            if self._base_model is not None and instance.base_model != self._base_model:
+                # An adapter trained for another model loads only if its shapes happen to fit, and then says
+                # nothing sensible: refused by name, before any engine is asked.
+                raise InvalidRequest(
+                    f"adapter {instance.name!r}: spec.baseModel {instance.base_model!r} is not the model this"
+                    f" gateway serves ({self._base_model!r})"
+                )
         registry = self._gateway.registry
         # The engine checks each source (files present, PEFT format, shapes that fit the base model) before
         # anything is stored: a bad manifest gets a 400 naming the problem, not a silent broken adapter.

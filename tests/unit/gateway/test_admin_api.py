@@ -127,7 +127,8 @@ async def test_large_yaml_body_does_not_stall_the_event_loop(admin: tuple[str, R
 
 @pytest.fixture
 async def admin_without_engines() -> AsyncIterator[tuple[str, Registry]]:
-    # No healthy replica: applies are stored without an engine check, as while engines start.
+    # No healthy replica: applies are stored without an engine check, as while engines start. The engines serve
+    # "smol", the manifests' base model.
     registry = Registry.open(":memory:")
     pool = EnginePool([])
     gateway = Gateway(
@@ -137,7 +138,8 @@ async def admin_without_engines() -> AsyncIterator[tuple[str, Registry]]:
         pool=pool,
         limits=QueueLimits(),
     )
-    server = RestServer(gateway, port=0, extra_routes=AdminApi(gateway, [hash_api_key(ADMIN_KEY)]).routes())
+    admin = AdminApi(gateway, [hash_api_key(ADMIN_KEY)], base_model="smol")
+    server = RestServer(gateway, port=0, extra_routes=admin.routes())
     async with server:
         yield f"http://127.0.0.1:{server.port}", registry
     await pool.__aexit__(None, None, None)
@@ -215,4 +217,15 @@ async def test_large_json_body_does_not_stall_the_event_loop(admin_without_engin
     status, reply = await posting
     assert (status, reply["error"]["message"]) == (400, "manifests: 'a0' appears more than once")
     assert longest_tick < 0.3
+    assert registry.list() == []
+
+
+async def test_a_manifest_for_another_base_model_is_a_400(admin_without_engines: tuple[str, Registry]) -> None:
+    # It was stored and sent to the engines, whose base model it was not trained for.
+    url, registry = admin_without_engines
+    manifest = _manifest("/a")
+    manifest["spec"]["baseModel"] = "llama-7b"
+    status, reply = await _post(url, json.dumps({"manifests": [manifest]}).encode(), "application/json")
+    assert status == 400
+    assert "spec.baseModel 'llama-7b' is not the model this gateway serves ('smol')" in reply["error"]["message"]
     assert registry.list() == []
