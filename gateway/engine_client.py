@@ -417,6 +417,7 @@ class EnginePool:
                 "running_requests": r.stats.running_requests,
                 "waiting_requests": r.stats.waiting_requests,
                 "kv_slots_used": r.stats.kv_blocks_used,
+                "draining": int(r.draining),
                 "slot_hits": cache.slot_hits,
                 "slot_misses": cache.slot_misses,
                 "evictions": cache.evictions,

@@ -56,6 +56,7 @@ _ENGINE_INSTRUMENTS: tuple[tuple[str, str, str, str, str], ...] = (
     ("adaptergate.engine.running_requests", "running_requests", "gauge", "1", "Requests decoding on the replica"),
     ("adaptergate.engine.waiting_requests", "waiting_requests", "gauge", "1", "Requests waiting on the replica"),
     ("adaptergate.engine.kv_slots_used", "kv_slots_used", "gauge", "1", "KV-cache slots in use"),
+    ("adaptergate.engine.draining", "draining", "gauge", "1", "1 while the replica drains: it takes no new requests"),
     ("adaptergate.engine.adapter_slot_hits", "slot_hits", "counter", "1", "Requests whose adapter was in a slot"),
     (
         "adaptergate.engine.adapter_slot_misses",

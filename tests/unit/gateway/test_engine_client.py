@@ -344,6 +344,8 @@ async def test_a_draining_replica_gets_no_new_requests_and_finishes_its_streams(
             await pool.poll_once()
             assert draining.healthy and draining.draining
             assert pool.residency()[draining.name]["draining"] is True
+            figures = pool.polled_figures()  # adaptergate_engine_draining
+            assert figures[draining.name]["draining"] == 1 and figures[other.name]["draining"] == 0
             assert pool.healthy_count() == 1
             assert [pool.acquire(None) for _ in range(4)] == [other] * 4  # never the draining one
             assert pool.acquire(None) is None and not pool.has_capacity()
