@@ -87,7 +87,7 @@ def _generation_eos_ids(folder: Path) -> set[int]:
             config = json.loads((folder / name).read_text())
         except (OSError, ValueError):
             continue
-        if not isinstance(config, dict) or "eos_token_id" not in config:
+        if not isinstance(config, dict) or config.get("eos_token_id") is None:
             continue
         eos = config["eos_token_id"]
         ids = eos if isinstance(eos, list) else [eos]

@@ -129,7 +129,7 @@ class Gateway:
         return self.fair_queue.stats()
 
     def health(self) -> tuple[bool, str]:
-        """Ready when at least one engine replica answers."""
+        """Ready when at least one engine replica takes requests (answers, and does not drain)."""
         healthy = self.pool.healthy_count()
         return healthy > 0, f"{healthy}/{len(self.pool.replicas)} engine replicas healthy"
 

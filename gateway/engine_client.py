@@ -123,7 +123,8 @@ class EnginePool:
         self._spawn(self._poll(replica))
 
     def add_capacity_listener(self, callback: Callable[[], None]) -> None:
-        """Call `callback` whenever a slot frees up or a replica becomes healthy."""
+        """Call `callback` whenever a slot frees up or a replica starts taking requests (it turns healthy, or
+        a new process at a draining replica's address does not drain)."""
         self._listeners.append(callback)
 
     def add_health_listener(self, callback: Callable[[Replica], None]) -> None:

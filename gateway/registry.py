@@ -71,14 +71,18 @@ class Registry:
         self._db.execute(_SCHEMA)
         self._db.commit()
         self._instances: dict[str, AdapterInstance] = {}
+        # Stored rows that no longer validate -> their generation: `delete` removes them, and an `apply` of the
+        # name continues their generation.
+        self._skipped: dict[str, int] = {}
         for name, generation, spec in self._db.execute("SELECT name, generation, spec FROM adapters ORDER BY name"):
             try:
                 instance = AdapterInstance.from_dict(json.loads(spec))
             except (InvalidRequest, ValueError, RecursionError) as exc:
                 # Stored before a rule was tightened (or torn): one such row must not stop the gateway, and the
-                # row stays in the store untouched.
+                # row stays in the store untouched until it is applied again or deleted.
                 reason = exc.message if isinstance(exc, InvalidRequest) else f"not JSON: {exc}"
                 log.error("registry: skipping stored adapter %r, it is no longer valid: %s", name, reason)
+                self._skipped[name] = generation
                 continue
             self._instances[name] = _with_generation(instance, generation)
 
@@ -105,9 +109,11 @@ class Registry:
                 outcome: ApplyOutcome = "unchanged"
                 stored = previous
             else:
-                outcome = "configured" if previous else "created"
-                stored = _with_generation(instance, previous.generation + 1 if previous else 1)
+                before = previous.generation if previous else self._skipped.get(instance.name, 0)
+                outcome = "configured" if before else "created"
+                stored = _with_generation(instance, before + 1)
                 self._store(stored)
+                self._skipped.pop(stored.name, None)
         # Listeners hear of an unchanged apply too: registering again is how an engine retries a failed load.
         self._notify(stored.name)
         return stored, outcome
@@ -133,13 +139,14 @@ class Registry:
         return sorted(self._instances.values(), key=lambda i: i.name)
 
     def delete(self, name: str) -> None:
-        """Remove the spec called `name`; raises `NotFound`."""
+        """Remove the spec called `name` (a stored one skipped as no longer valid, too); raises `NotFound`."""
         with self._lock:
-            if name not in self._instances:
+            if name not in self._instances and name not in self._skipped:
                 raise NotFound(f"adapter {name!r} not found")
             with self._db:
                 self._db.execute("DELETE FROM adapters WHERE name = ?", (name,))
-            del self._instances[name]
+            self._instances.pop(name, None)
+            self._skipped.pop(name, None)
         self._notify(name)
 
     def resolve(self, name: str, tenant: str, routing_key: str | None, *, scope: str | None = None) -> ResolvedAdapter:

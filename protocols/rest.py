@@ -317,7 +317,8 @@ class RestServer:
             task = asyncio.current_task()
             if task is None or task not in self._cut:
                 raise
-            task.uncancel()
+            if task.uncancel():  # cancelled for another reason as well (the client went away): that one stands
+                raise
             yield Error(Status.UNAVAILABLE, "the gateway shut down before the request finished (drain timeout)")
         finally:
             aclose = getattr(events, "aclose", None)

@@ -139,6 +139,7 @@ def test_a_port_in_use_exits_with_the_reason(monkeypatch: pytest.MonkeyPatch) ->
     # grpcio raises RuntimeError ("Failed to bind ... set GRPC_VERBOSITY=debug") where it once returned 0: the
     # engine died with a traceback after loading its model, its loader workers left to the interpreter's exit.
     monkeypatch.setattr("engine.engine.LLMEngine", _StubEngine)
+    monkeypatch.setattr(_StubEngine, "stopped", False)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -106,6 +106,10 @@ def test_the_generation_configs_end_tokens_end_a_completion(tmp_path: Path) -> N
     _llama_like(tmp_path / "silent", {"do_sample": True})
     (tmp_path / "silent" / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": [1, 2]}))
     assert Tokenizer(ModelSource(tmp_path / "silent", "hf")).eos_token_ids == {1, 2}
+    # One that sets them to null names none either (it once hid config.json's).
+    _llama_like(tmp_path / "null", {"eos_token_id": None})
+    (tmp_path / "null" / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": [1, 2]}))
+    assert Tokenizer(ModelSource(tmp_path / "null", "hf")).eos_token_ids == {1, 2}
 
 
 def test_a_plain_prompt_gets_the_bos_its_tokenizer_adds_and_a_chat_no_second_one(tmp_path: Path) -> None:

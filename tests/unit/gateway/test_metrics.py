@@ -69,6 +69,7 @@ def test_engine_figures_are_read_at_scrape_time() -> None:
             "running_requests": 3,
             "waiting_requests": 1,
             "kv_slots_used": 3,
+            "draining": 1,
             "slot_hits": 40,
             "slot_misses": 5,
             "evictions": 2,
@@ -81,6 +82,7 @@ def test_engine_figures_are_read_at_scrape_time() -> None:
     replica = (("replica", "engine-0"),)
     assert samples[("adaptergate_engine_running_requests", replica)] == 3
     assert samples[("adaptergate_engine_kv_slots_used", replica)] == 3
+    assert samples[("adaptergate_engine_draining", replica)] == 1  # the name README gives
     assert samples[("adaptergate_engine_adapter_slot_hits_total", replica)] == 40
     assert samples[("adaptergate_engine_adapter_slot_misses_total", replica)] == 5
     assert samples[("adaptergate_engine_adapter_evictions_total", replica)] == 2

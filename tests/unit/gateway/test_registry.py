@@ -223,6 +223,32 @@ def test_stored_spec_that_no_longer_validates_is_skipped_not_fatal(
     reopened.close()
 
 
+def test_a_skipped_stored_spec_can_be_deleted_and_applied_again_without_losing_its_generation(
+    tmp_path: Path,
+) -> None:
+    # A skipped row stayed in the store for good: `adapterctl delete -old` said "not found" (so the error came back
+    # at every start), and applying the name again restarted its generation at 1 ("created") over the stored 3.
+    path = str(tmp_path / "registry.sqlite")
+    Registry.open(path).close()
+    with sqlite3.connect(path) as db:
+        old = {**_doc(), "metadata": {"name": "-old", "generation": 3}}
+        db.execute("INSERT INTO adapters (name, generation, spec) VALUES (?, ?, ?)", ("-old", 3, json.dumps(old)))
+        stale = _doc(scopes=["embeddings"])  # a scope once accepted
+        db.execute("INSERT INTO adapters (name, generation, spec) VALUES (?, ?, ?)", ("a", 5, json.dumps(stale)))
+    db.close()
+    reopened = Registry.open(path)
+    assert reopened.list() == []
+    reopened.delete("-old")
+    fixed, outcome = reopened.apply_and_report(AdapterInstance.from_dict(_doc(scopes=["chat"])))
+    assert (fixed.generation, outcome) == (6, "configured")
+    reopened.close()
+    again = Registry.open(path)
+    assert [(i.name, i.generation) for i in again.list()] == [("a", 6)]
+    with pytest.raises(NotFound):
+        again.delete("-old")
+    again.close()
+
+
 def test_manifest_read_back_from_the_admin_api_applies_again() -> None:
     # `adapterctl get NAME -o yaml > f.yaml; adapterctl apply -f f.yaml`: the reply adds read-only residency.
     data = {**parse_manifests(MANIFESTS)[0].to_dict(), "residency": [{"engine": "e0", "version": "v1", "state": "gpu"}]}

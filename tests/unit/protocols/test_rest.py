@@ -467,3 +467,30 @@ async def test_drain_timeout_ends_running_requests_with_an_error_not_a_dropped_c
     assert rest_of_stream[-1] == "data: [DONE]"
     assert json.loads(rest_of_stream[-2].removeprefix("data: "))["error"]["code"] == "unavailable"
     assert sorted(gateway.closed) == ["s", "w"]
+
+
+async def test_a_drain_cut_does_not_swallow_a_cancellation_of_its_own() -> None:
+    # The cut's uncancel() ignored the count it returned: a handler cancelled by the drain and, at the same
+    # moment, by aiohttp for a client gone away (handler_cancellation) answered as if only the drain had asked.
+    server = RestServer(FakeGateway(), port=0, model_name="smol")
+    started = asyncio.Event()
+
+    async def endless() -> AsyncIterator[Event]:
+        started.set()
+        await asyncio.Event().wait()
+        yield TokenChunk("never")
+
+    async def handler() -> list[Event]:
+        return [event async for event in server._until_cut(endless())]
+
+    cut_alone, cut_and_gone = asyncio.create_task(handler()), asyncio.create_task(handler())
+    await started.wait()
+    await asyncio.sleep(0)  # both wait inside `endless`
+    server._cut = {cut_alone, cut_and_gone}
+    cut_alone.cancel()
+    cut_and_gone.cancel()  # the drain's cut
+    cut_and_gone.cancel()  # the client's disconnect
+    events = await cut_alone
+    assert len(events) == 1 and isinstance(events[0], Error) and events[0].status is Status.UNAVAILABLE
+    with pytest.raises(asyncio.CancelledError):
+        await cut_and_gone
