@@ -235,6 +235,12 @@ class AdapterPool:
         # client that keeps asking. After the TTL one new request tries again (the file may be fixed).
         return version.error is not None and time.monotonic() - version.failed_at < self.negative_ttl_s
 
+    def unwanted(self, version: AdapterVersion) -> None:
+        """No request waits for `version` any more (its last waiting one ended before it started): the host tier
+        stops keeping it ahead of the others (`_trim_host`)."""
+        with self._lock:
+            version.wanted = False
+
     def acquire(self, version: AdapterVersion) -> int | None:
         """The slot holding `version` (loading it into one, evicting an idle adapter if needed), or None: every
         slot is busy, or `version` was retired (replaced or unloaded) since the caller looked it up."""

@@ -45,9 +45,9 @@ class Scheduler:
                 # would keep them busy: under steady traffic for those, it would never start.
                 slot = None if slots_taken else self.pool.acquire(seq.adapter)
                 if slot is None:
-                    # Every LoRA slot busy with running requests; or the version was replaced since `_startable`
-                    # looked it up (a swap ending on a loader thread), which says nothing about the slots.
-                    slots_taken = slots_taken or not seq.adapter.retired
+                    # Every LoRA slot busy with running requests; or, since `_startable` looked, the version was
+                    # replaced (a swap ending on a loader thread) or its host copy dropped: nothing about slots.
+                    slots_taken = slots_taken or not (seq.adapter.retired or seq.adapter.weights is None)
                     continue
                 seq.lora_slot = slot
             kv_slot = self.kv.allocate()
@@ -82,6 +82,8 @@ class Scheduler:
                 self.pool.release(seq.adapter, len(seq.output_ids))
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+            if seq.adapter is not None and all(s.adapter is not seq.adapter for s in self.waiting):
+                self.pool.unwanted(seq.adapter)  # aborted or failed while it waited: nobody waits for it now
         seq.status = SeqStatus.FINISHED
 
     def _startable(self, seq: Sequence) -> bool:

@@ -130,3 +130,47 @@ def test_a_version_replaced_between_lookup_and_acquire_starts_no_request(
     assert old.retired and raced.status is SeqStatus.WAITING and old.active == 1  # the running request only
     scheduler.finish(running)  # the old version's last request: its slot goes to the new one
     assert _ids(scheduler.schedule()) == ["raced"] and raced.adapter is swapped[0]
+
+
+def test_an_adapter_whose_waiting_requests_all_ended_is_no_longer_kept_for_them(
+    pool: AdapterPool, tmp_path: Path
+) -> None:
+    """`wanted` (the host tier keeps such adapters longest) stayed set after the requests that waited for an
+    adapter were aborted, so an adapter nobody asked for any more was kept over those in use."""
+    a = _loaded(pool, "a", write_adapter(tmp_path / "a", seed=1))
+    scheduler = _scheduler(pool, kv_slots=1)
+    scheduler.add(running := _seq("running", None))
+    assert _ids(scheduler.schedule()) == ["running"]  # the only KV slot: the others wait
+    first, second = _seq("first", a), _seq("second", a)
+    for seq in (first, second):
+        scheduler.add(seq)
+        assert pool.ready(a)  # as `LLMEngine.add_request` asks at once
+    assert a.wanted
+    scheduler.finish(first)
+    assert a.wanted  # "second" still waits for it
+    scheduler.finish(second)
+    assert not a.wanted
+    scheduler.finish(running)
+
+
+def test_a_host_copy_dropped_between_lookup_and_acquire_holds_back_no_one(
+    pool: AdapterPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refused acquire read as "every LoRA slot busy" even when the adapter's host copy had just been dropped
+    (on a loader thread, between `ready` and `acquire`): the adapter requests behind it waited a step."""
+    a = _loaded(pool, "a", write_adapter(tmp_path / "a", seed=1))
+    b = _loaded(pool, "b", write_adapter(tmp_path / "b", seed=2))
+    scheduler = _scheduler(pool)
+    dropped, behind = _seq("dropped", a), _seq("behind", b)
+    scheduler.add(dropped)
+    scheduler.add(behind)
+    acquire = pool.acquire
+
+    def acquire_after_a_drop(version: AdapterVersion) -> int | None:
+        if version is a and a.weights is not None:
+            pool._discard_weights(a)  # what `_trim_host` does on a loader thread
+        return acquire(version)
+
+    monkeypatch.setattr(pool, "acquire", acquire_after_a_drop)
+    assert _ids(scheduler.schedule()) == ["behind"]
+    assert dropped.status is SeqStatus.WAITING
