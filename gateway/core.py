@@ -131,7 +131,11 @@ class Gateway:
     def health(self) -> tuple[bool, str]:
         """Ready when at least one engine replica takes requests (answers, and does not drain)."""
         healthy = self.pool.healthy_count()
-        return healthy > 0, f"{healthy}/{len(self.pool.replicas)} engine replicas healthy"
+        detail = f"{healthy}/{len(self.pool.replicas)} engine replicas healthy"
+        draining = sum(1 for r in self.pool.replicas if r.healthy and r.draining)
+        if draining:  # they answer but take no new requests: not counted above
+            detail += f" ({draining} more draining)"
+        return healthy > 0, detail
 
     async def submit(self, request: GatewayRequest) -> AsyncIterator[Event]:
         """Admit `request` and stream its events (see `gateway.api.Submitter`)."""

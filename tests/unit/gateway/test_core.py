@@ -179,6 +179,7 @@ async def test_queued_requests_fail_at_once_when_the_last_replica_starts_drainin
             draining.draining = True
             events = await asyncio.wait_for(queued, timeout=0.5)  # the running stream still has ~0.8 s to go
             assert isinstance(events[0], Error) and events[0].status is Status.UNAVAILABLE
+            assert gateway.health() == (False, "0/1 engine replicas healthy (1 more draining)")
             assert not running.done()
             assert isinstance((await running)[-1], Done)  # the stream in flight ends normally
 
