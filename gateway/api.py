@@ -82,6 +82,9 @@ class TokenChunk:
 
     text: str
     token_count: int = 1
+    # On a request's first chunk: the adapter version serving it (None for the base model), so that a stream
+    # can name it before `Done` does.
+    adapter_version: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

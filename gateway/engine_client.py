@@ -193,7 +193,7 @@ class EnginePool:
         replica.calls.add(call)
         if engine_name:
             replica.active[engine_name] = replica.active.get(engine_name, 0) + 1
-        admitted = finished = False
+        admitted = finished = sent_text = False
         pending_tokens = 0
         try:
             while True:
@@ -203,8 +203,11 @@ class EnginePool:
                 admitted = True
                 pending_tokens += len(response.token_ids)
                 if response.text:
-                    yield TokenChunk(response.text, pending_tokens)
+                    # The first chunk names the version serving the request (streams send it as a header).
+                    version = adapter.version if adapter is not None and not sent_text else None
+                    yield TokenChunk(response.text, pending_tokens, version)
                     pending_tokens = 0
+                    sent_text = True
                 if response.finish_reason:
                     finished = True
                     usage = response.usage

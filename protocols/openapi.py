@@ -285,7 +285,7 @@ def _generate(summary: str, request: str, reply: str, chunk: str) -> dict[str, A
                     "headers": {
                         "X-Request-Id": _REQUEST_ID_HEADER,
                         "X-Adapter-Version": {
-                            "description": "The adapter version that answered (JSON replies to adapter requests)",
+                            "description": "The adapter version that answered (adapter requests, streamed or not)",
                             "schema": {"type": "string"},
                         },
                     },

@@ -130,7 +130,11 @@ async def stream_reply(
         close_text = ',"logprobs":null,"finish_reason":null}]}\n\n'
     prefix = b"data: " + open_text.encode()
     suffix = close_text.encode()
-    response = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": request_id})
+    headers = {**_SSE_HEADERS, "X-Request-Id": request_id}
+    version = first.adapter_version if isinstance(first, TokenChunk | Done) else None
+    if version:  # named by the first event, before the headers go out (a JSON reply takes it from `Done`)
+        headers["X-Adapter-Version"] = version
+    response = web.StreamResponse(headers=headers)
     await response.prepare(request)
     # The role travels once, in a chunk of its own as OpenAI sends it, but in the same write as the
     # first text; the closing chunks go out with the end of the body. Fewer writes, fewer syscalls.

@@ -65,6 +65,8 @@ async def test_registers_adapter_once_with_absolute_path(engines: list[FastEngin
     async with EnginePool([f"127.0.0.1:{engine.port}"]) as pool:
         results = await asyncio.gather(*(_collect(pool, _request(f"r{i}"), adapter) for i in range(8)))
     assert all(isinstance(r[-1], Done) and r[-1].adapter_version == "v1" for r in results)
+    # The first chunk names the version too (a stream's headers go out before Done), the others do not repeat it.
+    assert all([getattr(e, "adapter_version", None) for e in r[:-1]] == ["v1"] + [None] * (len(r) - 2) for r in results)
     assert len(engine.load_calls) == 1
     call = engine.load_calls[0]
     assert (call.name, call.path, call.pin, call.wait) == ("pirate@v1", f"{os.getcwd()}/adapters/pirate", True, False)

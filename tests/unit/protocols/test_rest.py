@@ -57,7 +57,7 @@ class FakeGateway:
                 if request.adapter == "slow":
                     yield TokenChunk("waiting ")
                     await self.release.wait()
-                yield TokenChunk("Hel")
+                yield TokenChunk("Hel", 1, "v1" if request.adapter else None)  # the first chunk names it
                 yield TokenChunk('lo "quoted"\n', 2)
                 yield Done("stop", Usage(3, 3), "v1" if request.adapter else None)
         finally:
@@ -134,6 +134,7 @@ async def test_chat_stream_with_usage(rest: tuple[RestServer, FakeGateway, str],
     body = _chat(model="pirate", stream=True, stream_options={"include_usage": True})
     async with http.post(f"{url}/v1/chat/completions", json=body, headers=KEY) as r:
         assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        assert r.headers["X-Adapter-Version"] == "v1"  # streams had no way to tell which version served them
         chunks = await _sse(r)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(c["object"] == "chat.completion.chunk" and c["model"] == "pirate" for c in chunks)
@@ -153,6 +154,7 @@ async def test_stream_ids_stay_valid_json_whatever_the_request_id(
     body = _chat(stream=True) if "chat" in path else {"model": "base", "prompt": "x", "stream": True}
     async with http.post(f"{url}{path}", json=body, headers={**KEY, "X-Request-Id": 'r"1\\'}) as r:
         assert r.headers["X-Request-Id"] == 'r"1\\'
+        assert "X-Adapter-Version" not in r.headers  # the base model has no version
         chunks = await _sse(r)
     prefix = "chatcmpl-" if "chat" in path else "cmpl-"
     assert chunks and all(c["id"] == prefix + 'r"1\\' for c in chunks)
