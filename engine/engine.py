@@ -45,6 +45,16 @@ class EngineError(Exception):
         self.code, self.message = code, message
 
 
+def prompt_too_long(prompt_len: int, max_model_len: int) -> EngineError:
+    """The refusal of a prompt that leaves no room for output, worded as vLLM and OpenAI word it: clients
+    (LiteLLM, LangChain) tell a context overflow by the phrase."""
+    return EngineError(
+        "INVALID_ARGUMENT",
+        f"This model's maximum context length is {max_model_len} tokens; the prompt has {prompt_len}. "
+        "Shorten the prompt.",
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     running: int
@@ -90,16 +100,19 @@ class LLMEngine:
         self.pool = AdapterPool(arch, self.stacks, self.dtype, config.host_adapter_cache, eviction, loader, self._arena)
         self.pool.on_loaded.append(self._wake)
         self.scheduler = Scheduler(self.kv, self.pool, config.max_num_batched_tokens)
-        self.forward = StepForward(self.model, self.kv, self.stacks, self.device)
+        graphs: DecodeGraphs | None = None
+        prefill_graphs: PrefillGraphs | None = None
+        prefill_stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             graphs = DecodeGraphs(self.model, self.kv, self.stacks, self.kv.total, torch.cuda.graph_pool_handle())
             graphs.capture_all()
             # Prefills replay on their own stream, concurrently with the decode graph: their own memory pool.
             prefill_graphs = PrefillGraphs(self.model, self.kv, self.stacks, torch.cuda.graph_pool_handle())
             prefill_graphs.capture_all()
-            self.forward = StepForward(
-                self.model, self.kv, self.stacks, self.device, graphs, prefill_graphs, torch.cuda.Stream(self.device)
-            )
+            prefill_stream = torch.cuda.Stream(self.device)
+        self.forward = StepForward(
+            self.model, self.kv, self.stacks, self.device, graphs, prefill_graphs, prefill_stream
+        )
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stop = threading.Event()
@@ -231,11 +244,7 @@ class LLMEngine:
         if any(t < 0 or t >= self.arch.vocab_size for t in prompt_ids):
             raise EngineError("INVALID_ARGUMENT", f"prompt token ids must be within [0, {self.arch.vocab_size})")
         if len(prompt_ids) >= self.max_model_len:
-            raise EngineError(
-                "INVALID_ARGUMENT",
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(prompt_ids)}. Shorten the prompt.",
-            )
+            raise prompt_too_long(len(prompt_ids), self.max_model_len)
         version: AdapterVersion | None = None
         if adapter:
             version = self.pool.lookup(adapter)

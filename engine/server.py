@@ -16,7 +16,7 @@ import grpc
 
 from engine import engine_pb2 as pb
 from engine import engine_pb2_grpc as pb_grpc
-from engine.engine import EngineError, LLMEngine
+from engine.engine import EngineError, LLMEngine, prompt_too_long
 from engine.pool import AdapterVersion
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
@@ -116,21 +116,16 @@ class EngineService(pb_grpc.EngineServicer):
     def _sampling(self, s: pb.SamplingParams, prompt_len: int) -> SamplingParams:
         limit = self.engine.max_model_len
         room = limit - prompt_len
-        # Worded as vLLM and OpenAI word it: clients (LiteLLM, LangChain) tell a context overflow by the phrase.
         if room <= 0:
-            raise EngineError(
-                "INVALID_ARGUMENT",
-                f"This model's maximum context length is {limit} tokens; the prompt has {prompt_len}. "
-                "Shorten the prompt.",
-            )
-        if s.max_tokens > room:  # asked for: refused, as vLLM does, not cut short without a word
+            raise prompt_too_long(prompt_len, limit)
+        if s.max_tokens > room:  # asked for: refused, as vLLM does (and in its words), not cut short silently
             raise EngineError(
                 "INVALID_ARGUMENT",
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{prompt_len + s.max_tokens} tokens ({prompt_len} in the prompt, {s.max_tokens} in the "
                 "completion). Shorten the prompt or lower max_tokens.",
             )
-        wanted = s.max_tokens or self.engine.config.default_max_tokens  # 0: unset, up to the context
+        wanted = s.max_tokens or self.engine.config.default_max_tokens  # 0: unset, the default within the room
         return SamplingParams(
             max_tokens=min(wanted, room),
             temperature=s.temperature,

@@ -67,3 +67,30 @@ def write_random_llama(
     for f in tokenizer.iterdir():
         shutil.copy(f, folder / f.name)
     return folder
+
+
+def write_tiny_llama(folder: Path) -> Path:
+    """A random Llama of `tests.unit.engine.tiny.TINY`'s shape (so `write_adapter`'s adapters fit it), with a
+    128-word tokenizer of its own (no tokenizer files needed)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from tests.unit.engine.tiny import TINY
+
+    words = folder / "tokenizer"
+    words.mkdir(parents=True)
+    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, TINY.vocab_size)}}
+    backend = Tokenizer(models.WordLevel(vocab, "<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.save(str(words / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>", "unk_token": "<unk>"}
+    (words / "tokenizer_config.json").write_text(json.dumps(config))
+    return write_random_llama(
+        folder / "model",
+        words,
+        layers=TINY.num_layers,
+        hidden=TINY.hidden_size,
+        inter=TINY.intermediate_size,
+        heads=TINY.num_heads,
+        kv_heads=TINY.num_kv_heads,
+        vocab=TINY.vocab_size,
+    )

@@ -9,7 +9,6 @@ a hot swap never mixes two versions' weights in one request.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from engine.pinned_arena import PinnedArena
 from engine.pool import AdapterVersion
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
-from tests.support.random_model import write_random_llama
+from tests.support.random_model import write_tiny_llama
 from tests.unit.engine.manual_loader import ManualLoader
 from tests.unit.engine.pool_invariants import PoolInvariants
 from tests.unit.engine.tiny import write_adapter
@@ -45,21 +44,6 @@ OPS = {
     "step": 10,
     "expire": 1,
 }
-
-
-def tiny_model(folder: Path) -> Path:
-    """A 2-layer random Llama with a 128-word tokenizer of its own."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = folder / "tokenizer"
-    words.mkdir(parents=True)
-    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, 128)}}
-    backend = Tokenizer(models.WordLevel(vocab, "<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.save(str(words / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>", "unk_token": "<unk>"}
-    (words / "tokenizer_config.json").write_text(json.dumps(config))
-    return write_random_llama(folder / "model", words, layers=2, hidden=32, inter=48, heads=4, kv_heads=2, vocab=128)
 
 
 @dataclass(eq=False)
@@ -89,15 +73,13 @@ class Tracked:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model(tmp_path_factory.mktemp("tiny-model"))
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory, model: Path) -> tuple[list[Path], list[Path], list[Path]]:
     """Good adapters with strong weights (each changes the greedy tokens), failing and refused ones."""
     from safetensors.torch import load_file, save_file
-
-    from tests.unit.engine.tiny import TINY
 
     root = tmp_path_factory.mktemp("engine-adapters")
     shapes = [(4, ("q_proj", "v_proj")), (8, ("o_proj", "down_proj")), (2, ("gate_proj", "up_proj"))]
@@ -112,7 +94,6 @@ def files(tmp_path_factory: pytest.TempPathFactory, model: Path) -> tuple[list[P
     truncated = write_adapter(root / "truncated", seed=51)
     weights = truncated / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:64])
-    assert TINY.hidden_size == 32 and TINY.vocab_size == 128  # the model's shapes: the adapters fit it
     return good, [nan], [truncated]
 
 

@@ -30,7 +30,7 @@ from engine.lora_plan import SegmentPlan
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput, Sequence
 from engine.step_forward import StepForward
-from tests.integration.engine.test_engine_stress import tiny_model
+from tests.support.random_model import write_tiny_llama
 from tests.unit.engine.tiny import write_adapter
 
 MAX_LEN = 300  # KV-length buckets 256 and 300; prefill buckets 16 to 256
@@ -219,7 +219,7 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model(tmp_path_factory.mktemp("graphed-model"))
+    return write_tiny_llama(tmp_path_factory.mktemp("graphed-model"))
 
 
 @pytest.fixture(scope="module")

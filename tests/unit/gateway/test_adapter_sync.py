@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -17,12 +17,10 @@ from engine import engine_pb2 as pb
 from gateway.admin import AdminApi
 from gateway.api import Done, Event, GatewayRequest
 from gateway.core import Gateway
-from gateway.engine_client import EnginePool
-from gateway.queue import QueueLimits
 from gateway.registry import AdapterInstance, AdapterVersion, Registry
-from gateway.tenancy import TenantDirectory, hash_api_key
-from policy.static import StaticPolicy
+from gateway.tenancy import hash_api_key
 from protocols.rest import RestServer
+from tests.support.gateways import serving_gateway
 from tests.support.waiting import until
 
 
@@ -44,19 +42,10 @@ def _settled(gateway: Gateway) -> bool:
 async def _gateway(engines: Sequence[FastEngineFixture], *, poll_s: float = 0.05) -> AsyncIterator[Gateway]:
     registry = Registry.open(":memory:")
     registry.apply(_instance("pirate", ("v1", 100)))
-    async with AsyncExitStack() as stack:
-        pool = await stack.enter_async_context(
-            EnginePool([f"127.0.0.1:{e.port}" for e in engines], poll_interval_s=poll_s, rpc_timeout_s=0.5)
-        )
-        gateway = Gateway(
-            tenants=TenantDirectory.from_config([{"name": "alice", "plain_api_keys": ["key-a"]}]),
-            policy=StaticPolicy(max_tokens=1000),
-            registry=registry,
-            pool=pool,
-            limits=QueueLimits(),
-            default_max_tokens=16,
-        )
-        yield await stack.enter_async_context(gateway)
+    addresses = [f"127.0.0.1:{e.port}" for e in engines]
+    tenants = [{"name": "alice", "plain_api_keys": ["key-a"]}]
+    async with serving_gateway(addresses, registry, tenants, poll_s=poll_s) as g:
+        yield g
     registry.close()
 
 

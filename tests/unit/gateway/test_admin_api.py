@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -33,13 +34,10 @@ def _manifest(source: str) -> dict[str, Any]:
     }
 
 
-@pytest.fixture
-async def admin() -> AsyncIterator[tuple[str, Registry]]:
+@asynccontextmanager
+async def _admin_api(pool: EnginePool, base_model: str | None = None) -> AsyncIterator[tuple[str, Registry]]:
+    """An admin API over a gateway with `pool` and an empty registry: its URL and the registry."""
     registry = Registry.open(":memory:")
-    pool = EnginePool([])
-    # A replica that counts as healthy, so applies are validated against it as in a running gateway; nothing
-    # listens at its address, and no test here gets as far as calling it.
-    pool.add_replica("127.0.0.1:1").healthy = True
     gateway = Gateway(
         tenants=TenantDirectory.from_config([{"name": "t1", "plain_api_keys": ["user-key"]}]),
         policy=StaticPolicy(),
@@ -47,11 +45,22 @@ async def admin() -> AsyncIterator[tuple[str, Registry]]:
         pool=pool,
         limits=QueueLimits(),
     )
-    server = RestServer(gateway, port=0, extra_routes=AdminApi(gateway, [hash_api_key(ADMIN_KEY)]).routes())
+    admin = AdminApi(gateway, [hash_api_key(ADMIN_KEY)], base_model=base_model)
+    server = RestServer(gateway, port=0, extra_routes=admin.routes())
     async with server:
         yield f"http://127.0.0.1:{server.port}", registry
     await pool.__aexit__(None, None, None)
     registry.close()
+
+
+@pytest.fixture
+async def admin() -> AsyncIterator[tuple[str, Registry]]:
+    pool = EnginePool([])
+    # A replica that counts as healthy, so applies are validated against it as in a running gateway; nothing
+    # listens at its address, and no test here gets as far as calling it.
+    pool.add_replica("127.0.0.1:1").healthy = True
+    async with _admin_api(pool) as served:
+        yield served
 
 
 async def _post(url: str, data: bytes, content_type: str) -> tuple[int, dict[str, Any]]:
@@ -90,6 +99,18 @@ async def test_source_with_a_lone_surrogate_is_a_400(admin: tuple[str, Registry]
     assert registry.list() == []
 
 
+async def _post_watching_the_loop(url: str, data: bytes, content_type: str) -> tuple[tuple[int, dict[str, Any]], float]:
+    """`_post`'s answer, and the longest the event loop was blocked meanwhile: the server runs on this loop, so
+    while it parses on it, every other request (and this ticker) waits."""
+    posting = asyncio.ensure_future(_post(url, data, content_type))
+    longest_tick = 0.0
+    while not posting.done():
+        started = time.monotonic()
+        await asyncio.sleep(0.01)
+        longest_tick = max(longest_tick, time.monotonic() - started)
+    return await posting, longest_tick
+
+
 async def test_manifest_with_many_versions_is_checked_quickly(admin: tuple[str, Registry]) -> None:
     # About 1 MB of versions, the last one a duplicate: the check runs on the event loop that serves every
     # request, so it must not take time quadratic in the number of versions (it took ~15 s).
@@ -112,14 +133,7 @@ async def test_large_yaml_body_does_not_stall_the_event_loop(admin: tuple[str, R
     document += "spec: {{baseModel: b, versions: [{{name: v, source: /a, weight: 1}}]}}\n"
     # Thousands of documents (seconds of PyYAML), the last a duplicate so that nothing is applied.
     body = "---\n".join(document.format(i) for i in [*range(3000), 0]).encode()
-    posting = asyncio.ensure_future(_post(url, body, "application/yaml"))
-    # The server runs on this loop: while it parses, every other request (and this ticker) waits for it.
-    longest_tick = 0.0
-    while not posting.done():
-        started = time.monotonic()
-        await asyncio.sleep(0.01)
-        longest_tick = max(longest_tick, time.monotonic() - started)
-    status, reply = await posting
+    (status, reply), longest_tick = await _post_watching_the_loop(url, body, "application/yaml")
     assert (status, reply["error"]["message"]) == (400, "document 3001: adapter 'a0' appears twice")
     assert longest_tick < 0.5
     assert registry.list() == []
@@ -129,21 +143,8 @@ async def test_large_yaml_body_does_not_stall_the_event_loop(admin: tuple[str, R
 async def admin_without_engines() -> AsyncIterator[tuple[str, Registry]]:
     # No healthy replica: applies are stored without an engine check, as while engines start. The engines serve
     # "smol", the manifests' base model.
-    registry = Registry.open(":memory:")
-    pool = EnginePool([])
-    gateway = Gateway(
-        tenants=TenantDirectory.from_config([{"name": "t1", "plain_api_keys": ["user-key"]}]),
-        policy=StaticPolicy(),
-        registry=registry,
-        pool=pool,
-        limits=QueueLimits(),
-    )
-    admin = AdminApi(gateway, [hash_api_key(ADMIN_KEY)], base_model="smol")
-    server = RestServer(gateway, port=0, extra_routes=admin.routes())
-    async with server:
-        yield f"http://127.0.0.1:{server.port}", registry
-    await pool.__aexit__(None, None, None)
-    registry.close()
+    async with _admin_api(EnginePool([]), base_model="smol") as served:
+        yield served
 
 
 async def test_yaml_body_that_is_not_utf8_is_a_400(admin_without_engines: tuple[str, Registry]) -> None:
@@ -208,13 +209,7 @@ async def test_large_json_body_does_not_stall_the_event_loop(admin_without_engin
     manifests.append(manifests[0])
     body = json.dumps({"manifests": manifests}, separators=(",", ":")).encode()
     assert len(body) < 1_048_576
-    posting = asyncio.ensure_future(_post(url, body, "application/json"))
-    longest_tick = 0.0
-    while not posting.done():
-        started = time.monotonic()
-        await asyncio.sleep(0.01)
-        longest_tick = max(longest_tick, time.monotonic() - started)
-    status, reply = await posting
+    (status, reply), longest_tick = await _post_watching_the_loop(url, body, "application/json")
     assert (status, reply["error"]["message"]) == (400, "manifests: 'a0' appears more than once")
     assert longest_tick < 0.3
     assert registry.list() == []

@@ -3,7 +3,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -21,13 +21,10 @@ from gateway.api import (
     TokenChunk,
 )
 from gateway.core import Gateway
-from gateway.engine_client import EnginePool
 from gateway.errors import Status, Unauthenticated
-from gateway.queue import QueueLimits
 from gateway.registry import AdapterInstance, AdapterVersion, Registry
-from gateway.tenancy import TenantDirectory
-from policy.static import StaticPolicy
 from tests.conftest import free_port
+from tests.support.gateways import serving_gateway
 from tests.support.waiting import until
 from tests.unit.gateway.test_engine_client import _DrainingEngine
 
@@ -77,19 +74,8 @@ async def _gateway(
     registry.apply(_instance("pirate", ("v1", 100)))
     registry.apply(_instance("shout", ("v1", 100), tenants=("alice",)))
     addresses = [f"127.0.0.1:{e if isinstance(e, int) else e.port}" for e in engines]
-    async with AsyncExitStack() as stack:
-        pool = await stack.enter_async_context(
-            EnginePool(addresses, max_concurrency=capacity, poll_interval_s=poll_s, rpc_timeout_s=0.5)
-        )
-        gateway = Gateway(
-            tenants=TenantDirectory.from_config(TENANTS),
-            policy=policy or StaticPolicy(max_tokens=1000),
-            registry=registry,
-            pool=pool,
-            limits=QueueLimits(),
-            default_max_tokens=16,
-        )
-        yield await stack.enter_async_context(gateway)
+    async with serving_gateway(addresses, registry, TENANTS, capacity=capacity, policy=policy, poll_s=poll_s) as g:
+        yield g
     registry.close()
 
 
