@@ -19,7 +19,10 @@ class EngineConfig:
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
     max_num_seqs: int = 16  # KV-cache slots = requests decoding at once
     max_model_len: int = 2048  # prompt + completion tokens per request
-    max_num_batched_tokens: int = 4096  # prompt tokens prefilled in one step
+    # Prompt tokens prefilled in one step. A longer prompt is prefilled in chunks over several steps, so that
+    # the running requests decode between them (lower it to bound the pause a long prompt puts in their
+    # streams; a whole prompt is one captured graph on CUDA, a chunk of a longer one runs eagerly).
+    max_num_batched_tokens: int = 4096
     max_waiting: int = 512  # admitted requests not yet running; beyond -> RESOURCE_EXHAUSTED
     lora_slots: int = 8  # adapters usable in one batch (stacked weights)
     max_lora_rank: int = 32
@@ -113,8 +116,6 @@ class EngineConfig:
             raise ValueError("attention_backend triton needs a CUDA device")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError("max_num_batched_tokens must be >= max_model_len (prompts are prefilled whole)")
 
     def loader_workers(self) -> int:
         """`adapter_loader_workers`, resolved. Half the cores: on a 16-core H200 host 8 workers swapped an

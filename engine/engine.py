@@ -398,8 +398,8 @@ class LLMEngine:
                 )
 
     def step(self) -> None:
-        """One step: prefill newly admitted requests, decode one token for all running ones (the forward
-        pass, graphed or eager: `StepForward`).
+        """One step: prefill newly admitted requests (and the next chunks of long prompts), decode one token for
+        all running ones past their prefill (the forward pass, graphed or eager: `StepForward`).
 
         With `async_steps` the step's tokens stay on the device: the next step reads its inputs from there,
         and the engine thread handles this step's tokens (detokenizing, stop checks, outputs) while the GPU
@@ -408,10 +408,16 @@ class LLMEngine:
         """
         previous, self._inflight = self._inflight, None
         trace = StepTrace(self.device, self.pool.slot_misses) if self.step_trace is not None else None
-        admitted = set(self.scheduler.schedule())
+        prefills = self.scheduler.schedule()
         ending = previous.rows if previous is not None else {}
-        running = [s for s in self.scheduler.running if not (s in ending and self._ends_by_length(s))]
-        if previous is not None and any(s not in ending for s in running if s not in admitted):
+        # Rows of this step: prompt chunks, and one token for each sequence past its prefill (a prompt
+        # whose next chunk did not fit this step's budget sits it out).
+        running = [
+            s
+            for s in self.scheduler.running
+            if s in prefills or (s.prefill_done and not (s in ending and self._ends_by_length(s)))
+        ]
+        if previous is not None and any(s not in ending for s in running if s not in prefills):
             self._complete(previous)  # rows without a token in flight: read them first
             previous = None
             running = [s for s in running if s.status is SeqStatus.RUNNING]
@@ -421,7 +427,11 @@ class LLMEngine:
             return
         if trace:
             trace.mark()
-        order, logits = self.forward.logits(running, admitted, previous, trace)
+        order, logits = self.forward.logits(running, prefills, previous, trace)
+        if not order:  # only chunks short of their prompt's end: nothing to sample
+            if previous is not None:
+                self._complete(previous)
+            return
         tokens = sample_tokens(logits, [s.params for s in order], [s.generator for s in order])
         self.steps += 1
         self._fill_ahead()
@@ -435,7 +445,7 @@ class LLMEngine:
             self._complete(previous)
         if trace and self.step_trace is not None:
             trace.mark()
-            self.step_trace.append((tuple(trace.phases), (len(admitted), self.pool.slot_misses - trace.misses)))
+            self.step_trace.append((tuple(trace.phases), (len(prefills), self.pool.slot_misses - trace.misses)))
         for seq, token in zip(order, values, strict=True):
             self._append(seq, token)
 

@@ -71,6 +71,16 @@ class PrefillView:
     last: torch.Tensor  # [1] row of the prompt's last real token
 
 
+def _chunk_mask(s: SeqSlice, device: torch.device) -> torch.Tensor | None:
+    """Keys each row of a prompt chunk after the first attends: all before the chunk, and the chunk's own up to
+    the row. None where SDPA's `is_causal` says as much (its mask is aligned to the first key, not the last)."""
+    past = s.context_len - s.length
+    if past == 0 or s.length == 1:
+        return None
+    rows = torch.arange(past, s.context_len, device=device)
+    return torch.arange(s.context_len, device=device)[None, :] <= rows[:, None]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -236,8 +246,14 @@ class DecoderLayer(nn.Module):
             keys = k_cache[s.kv_slot, :, : s.context_len].unsqueeze(0)
             values = v_cache[s.kv_slot, :, : s.context_len].unsqueeze(0)
             queries = q[rows].transpose(0, 1).unsqueeze(0)
-            # Prompts are prefilled whole (no prefix), so a multi-token slice is exactly causal.
-            out = F.scaled_dot_product_attention(queries, keys, values, is_causal=s.length > 1, enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                queries,
+                keys,
+                values,
+                attn_mask=_chunk_mask(s, q.device),
+                is_causal=past == 0 and s.length > 1,
+                enable_gqa=True,
+            )
             attn[rows] = out[0].transpose(0, 1)
         return attn
 

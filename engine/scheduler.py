@@ -1,9 +1,14 @@
 """Continuous batching: which waiting requests join the running batch at this step.
 
 Every step decodes all running requests and prefills as many waiting ones as KV slots, LoRA slots and the
-prefill token budget allow. A waiting request whose adapter is still loading is skipped, never blocking
-the requests behind it; it joins at the first step after its weights are ready. One that finds every LoRA
-slot busy does hold back the adapter requests behind it, so that the slots drain to it in turn.
+prefill token budget (`max_num_batched_tokens`) allow. A prompt that fits the budget is prefilled whole in
+one step (on CUDA, one captured graph); a longer one is prefilled in chunks over several steps, the running
+requests decoding a token at each of them, so a long prompt never stalls their streams for its whole
+prefill. Chunks of prompts already running come first, then new requests.
+
+A waiting request whose adapter is still loading is skipped, never blocking the requests behind it; it
+joins at the first step after its weights are ready. One that finds every LoRA slot busy does hold back the
+adapter requests behind it, so that the slots drain to it in turn.
 """
 
 from __future__ import annotations
@@ -28,15 +33,26 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running) or any(self._startable(s) for s in self.waiting)
 
-    def schedule(self) -> list[Sequence]:
-        """Move the waiting requests that can start now into `running`; return them (to prefill)."""
-        admitted: list[Sequence] = []
+    def schedule(self) -> dict[Sequence, int]:
+        """This step's prefills: how many prompt tokens each sequence prefills, the last ones up to its
+        `prefilled` (advanced here: the step runs them).
+
+        The next chunks of running prompts come first; then waiting requests that can start now move into
+        `running`. Running sequences absent from the result either decode (`seq.prefill_done`) or wait
+        for a later chunk."""
+        prefills: dict[Sequence, int] = {}
         budget = self.max_num_batched_tokens
+        for seq in self.running:
+            left = len(seq.prompt_ids) - seq.prefilled
+            if left > 0 and budget > 0:
+                prefills[seq] = min(left, budget)
+                seq.prefilled += prefills[seq]
+                budget -= prefills[seq]
         slots_taken = False  # a request ahead found every LoRA slot busy
         for seq in list(self.waiting):
-            if self.kv.free_slots == 0:
+            if self.kv.free_slots == 0 or budget == 0:
                 break
-            if len(seq.prompt_ids) > budget:
+            if not self._fits(len(seq.prompt_ids), budget):
                 continue
             if not self._startable(seq):
                 continue
@@ -56,22 +72,29 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.waiting.remove(seq)
             self.running.append(seq)
-            admitted.append(seq)
-            budget -= len(seq.prompt_ids)
-        return admitted
+            prefills[seq] = seq.prefilled = min(len(seq.prompt_ids), budget)
+            budget -= prefills[seq]
+        return prefills
 
     def upcoming(self) -> list[Sequence]:
         """The waiting requests the next `schedule` would try to admit, in its order: as many as there are
         free KV slots, within the prefill token budget. Changes nothing (their adapters may still load)."""
         picked: list[Sequence] = []
-        budget = self.max_num_batched_tokens
+        chunks_left = sum(len(s.prompt_ids) - s.prefilled for s in self.running)
+        budget = max(0, self.max_num_batched_tokens - chunks_left)
         for seq in self.waiting:
-            if len(picked) >= self.kv.free_slots:
+            if len(picked) >= self.kv.free_slots or budget == 0:
                 break
-            if len(seq.prompt_ids) <= budget:
+            if self._fits(len(seq.prompt_ids), budget):
                 picked.append(seq)
-                budget -= len(seq.prompt_ids)
+                budget -= min(len(seq.prompt_ids), budget)
         return picked
+
+    def _fits(self, prompt_len: int, budget: int) -> bool:
+        """Whether a prompt starts with `budget` tokens left in this step: whole, or, when longer than any
+        step's budget, as its first chunk. One that would fit a later step whole waits for it rather than
+        being cut (a whole prompt prefills as one captured graph on CUDA)."""
+        return prompt_len <= budget or prompt_len > self.max_num_batched_tokens
 
     def finish(self, seq: Sequence) -> None:
         """Release everything `seq` holds; it may be waiting or running."""

@@ -50,6 +50,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     kv_slot: int = -1
     lora_slot: int = -1
+    prefilled: int = 0  # prompt tokens in the KV cache (a long prompt is prefilled in chunks)
     output_ids: list[int] = field(default_factory=list)
     emitted_chars: int = 0
     aborted: bool = False
@@ -57,6 +58,11 @@ class Sequence:
     @property
     def context_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefill_done(self) -> bool:
+        """Whether the whole prompt is in the KV cache: the sequence decodes from here on."""
+        return self.prefilled == len(self.prompt_ids)
 
     @property
     def max_stop_len(self) -> int:

@@ -91,36 +91,40 @@ class StepForward:
     def logits(
         self,
         running: list[Sequence],
-        admitted: set[Sequence],
+        prefills: dict[Sequence, int],
         previous: InFlight | None,
         trace: StepTrace | None = None,
     ) -> tuple[list[Sequence], torch.Tensor]:
-        """The rows of `running` in the order their logits come, and the logits [rows, vocab].
+        """The rows of `running` that get a token this step, in the order their logits come, and the logits
+        [rows, vocab].
 
-        `admitted` are the sequences whose prompt this step prefills; the others decode one token, read from
-        `previous` where the step that sampled it is still in flight.
+        `prefills` are the sequences this step prefills and how many prompt tokens, ending at `seq.prefilled`
+        (`Scheduler.schedule`); a chunk short of its prompt's end gets no row. The others decode one token,
+        read from `previous` where the step that sampled it is still in flight.
         """
         order: list[Sequence] = []
         parts: list[torch.Tensor] = []
         eager = list(running)
         prefilled: list[tuple[Sequence, torch.Tensor]] = []
-        if self.prefill_graphs is not None and self._prefill_stream is not None and admitted:
+        whole = [s for s in running if s in prefills and prefills[s] == len(s.prompt_ids)]
+        if self.prefill_graphs is not None and self._prefill_stream is not None and whole:
             # Enqueued first, on a second stream: the GPU runs these prefills alongside the decode graph
             # below (both are chains of small kernels), so joining requests barely delay the running ones.
+            # Chunks of a longer prompt run eagerly: their attention reads the chunks before them.
             main = torch.cuda.current_stream(self.device)
             self._prefill_stream.wait_stream(main)
             with torch.cuda.stream(self._prefill_stream):
-                for seq in [s for s in running if s in admitted]:
+                for seq in whole:
                     logits = self.prefill_graphs.run(seq.prompt_ids, seq.kv_slot, seq.lora_slot)
                     if logits is not None:
                         prefilled.append((seq, logits))
                         eager.remove(seq)
         if self.graphs is not None:
-            decoding = [s for s in running if s not in admitted]
+            decoding = [s for s in running if s not in prefills]
             logits = self._decode_graphed(decoding, previous) if decoding else None
             if logits is not None:
                 order, parts = decoding, [logits]
-                eager = [s for s in eager if s in admitted]
+                eager = [s for s in eager if s in prefills]
         if trace:
             trace.mark()
         if prefilled and self._prefill_stream is not None:
@@ -129,9 +133,16 @@ class StepForward:
         if trace:
             trace.mark()
         if eager:
-            order, parts = order + eager, [*parts, self._forward_eager(eager, admitted, previous)]
+            ends = [s for s in eager if s.prefill_done]
+            logits = self._forward_eager(eager, prefills, previous)
+            if len(ends) < len(eager):  # drop the rows of chunks short of their prompt's end
+                keep = [i for i, s in enumerate(eager) if s in ends]
+                logits = logits.index_select(0, torch.tensor(keep, dtype=torch.long, device=logits.device))
+            order, parts = order + ends, [*parts, logits]
         if trace:
             trace.mark()
+        if not parts:
+            return order, torch.empty(0, 0, device=self.device)
         return order, parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _decode_inputs(
@@ -149,8 +160,10 @@ class StepForward:
         input_ids, positions = self._decode_inputs(seqs, previous)
         return self.graphs.run(input_ids, positions, [s.kv_slot for s in seqs], [s.lora_slot for s in seqs])
 
-    def _forward_eager(self, seqs: list[Sequence], admitted: set[Sequence], previous: InFlight | None) -> torch.Tensor:
-        decoding = [s for s in seqs if s not in admitted]
+    def _forward_eager(
+        self, seqs: list[Sequence], prefills: dict[Sequence, int], previous: InFlight | None
+    ) -> torch.Tensor:
+        decoding = [s for s in seqs if s not in prefills]
         decode_ids, decode_positions = self._decode_inputs(decoding, previous)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -159,10 +172,11 @@ class StepForward:
         decode_rows: list[int] = []
         for seq in seqs:
             start = len(input_ids)
-            if seq in admitted:
-                input_ids.extend(seq.prompt_ids)
-                positions.extend(range(len(seq.prompt_ids)))
-                slices.append(SeqSlice(seq.kv_slot, start, len(seq.prompt_ids), len(seq.prompt_ids)))
+            if seq in prefills:
+                past, end = seq.prefilled - prefills[seq], seq.prefilled
+                input_ids.extend(seq.prompt_ids[past:end])
+                positions.extend(range(past, end))
+                slices.append(SeqSlice(seq.kv_slot, start, end - past, end))
             else:
                 i = len(decode_rows)
                 decode_rows.append(start)

@@ -14,6 +14,7 @@ from engine.engine import EngineError, LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 from tests.integration.engine.conftest import Collector, run
+from tests.support.model_files import demo_adapter_dir
 from tests.unit.engine.tiny import write_adapter
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -330,3 +331,50 @@ def test_a_draining_engine_finishes_what_it_holds_and_refuses_the_rest(
         assert not eng._thread.is_alive()
     finally:
         eng.stop()
+
+
+def test_a_long_prompt_prefilled_in_chunks_matches_a_whole_prefill_and_others_decode_meanwhile(
+    engine: LLMEngine,
+) -> None:
+    """A prompt longer than `max_num_batched_tokens` is prefilled over several steps (a whole-prompt budget
+    had been required): the same greedy tokens as the shared engine's whole prefill, on the base model and on
+    an adapter, while a running request keeps getting a token at every one of those steps."""
+    from engine.config import EngineConfig
+
+    text = "Summarise this: " + " ".join(f"item {i} is {'red' if i % 2 else 'blue'}." for i in range(30))
+    long_prompt, short_prompt = chat(engine, text), engine.tokenizer.encode("The sea is")
+    budget = 32
+    chunks = -(-len(long_prompt) // budget)
+    assert chunks >= 4
+    folder = str(demo_adapter_dir("pirate"))
+    engine.load_adapter("pirate", folder, wait=True)
+    whole = {a: run(engine, f"whole-{a}", long_prompt, GREEDY, a) for a in (None, "pirate")}
+    chunked = LLMEngine(
+        EngineConfig(
+            max_num_seqs=4,
+            max_model_len=256,
+            max_num_batched_tokens=budget,
+            lora_slots=2,
+            max_lora_rank=16,
+            async_steps=engine.config.async_steps,
+        )
+    )
+    try:
+        chunked.load_adapter("pirate", folder, wait=True)
+        for adapter in (None, "pirate"):
+            events: list[str] = []
+
+            def sink(out: RequestOutput, to: Collector, name: str, events: list[str] = events) -> None:
+                events.append(name)
+                to(out)
+
+            beside, long = Collector(), Collector()
+            chunked.add_request("beside", short_prompt, GREEDY, None, functools.partial(sink, to=beside, name="b"))
+            chunked.add_request("long", long_prompt, GREEDY, adapter, functools.partial(sink, to=long, name="l"))
+            chunked.run_until_idle()
+            whole[adapter].wait()
+            assert long.token_ids == whole[adapter].token_ids, adapter
+            # The first chunk shares its step with the short prompt's prefill; every later one with a decode.
+            assert events.index("l") >= chunks - 1, events
+    finally:
+        chunked.stop()

@@ -1,8 +1,9 @@
-"""Scheduler: admission by KV slots, LoRA slots and the prefill budget; no request waits forever."""
+"""Scheduler: admission by KV slots, LoRA slots and the prefill budget, long prompts in chunks; no request
+waits forever."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import cast
 
@@ -48,7 +49,7 @@ def _seq(name: str, adapter: AdapterVersion | None, prompt_len: int = 4, priorit
     )
 
 
-def _ids(seqs: list[Sequence]) -> list[str]:
+def _ids(seqs: Iterable[Sequence]) -> list[str]:
     return [s.request_id for s in seqs]
 
 
@@ -174,3 +175,31 @@ def test_a_host_copy_dropped_between_lookup_and_acquire_holds_back_no_one(
     monkeypatch.setattr(pool, "acquire", acquire_after_a_drop)
     assert _ids(scheduler.schedule()) == ["behind"]
     assert dropped.status is SeqStatus.WAITING
+
+
+def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks_before_new_requests(pool: AdapterPool) -> None:
+    scheduler = _scheduler(pool, budget=10)
+    running, long = _seq("running", None), _seq("long", None, prompt_len=23)
+    scheduler.add(running)
+    assert scheduler.schedule() == {running: 4}
+    scheduler.add(long)
+    scheduler.add(short := _seq("short", None, prompt_len=3))
+    assert scheduler.schedule() == {long: 10}  # its first chunk takes the whole budget: `short` waits
+    assert long.prefilled == 10 and not long.prefill_done and running.prefill_done
+    assert scheduler.upcoming() == []  # the next step's budget goes to long's next chunk too
+    assert scheduler.schedule() == {long: 10}
+    assert scheduler.upcoming() == [short]  # 3 tokens of long's left, 7 of the budget
+    assert scheduler.schedule() == {long: 3, short: 3}
+    assert long.prefill_done and short.prefill_done
+    assert scheduler.schedule() == {}
+
+
+def test_a_prompt_that_fits_a_later_step_waits_for_it_rather_than_being_cut(pool: AdapterPool) -> None:
+    """Cut, it would prefill eagerly over two steps instead of in one captured graph (CUDA)."""
+    scheduler = _scheduler(pool, budget=10)
+    first, second = _seq("first", None, prompt_len=6), _seq("second", None, prompt_len=6)
+    for seq in (first, second):
+        scheduler.add(seq)
+    assert scheduler.schedule() == {first: 6}
+    assert second.status is SeqStatus.WAITING and second.prefilled == 0
+    assert scheduler.schedule() == {second: 6}

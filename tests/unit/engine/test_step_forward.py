@@ -1,6 +1,6 @@
 """A step's forward pass (`engine.step_forward`) on the CPU, with the decode graphs stood in for (`replays`):
 which rows run graphed and which eagerly, the order their logits come in, inputs read from a step still in
-flight, and the logits against the eager model's."""
+flight, prompts prefilled in chunks, and the logits against the eager model's."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ def _seq(name: str, prompt: list[int], kv_slot: int, lora_slot: int) -> Sequence
         name, prompt, SamplingParams(max_tokens=8), None, lambda _: None, cast(IncrementalDecoder, None), None
     )
     seq.kv_slot, seq.lora_slot = kv_slot, lora_slot
+    seq.prefilled = len(prompt)  # as `Scheduler.schedule` leaves a prompt it prefills whole
     return seq
 
 
@@ -58,7 +59,7 @@ def test_decoding_rows_replay_a_graph_and_new_prompts_follow_eagerly(replays: li
             _eager(kv, [(seq, seq.prompt_ids, 0)])
         seq.output_ids, seq.status = [11 + seq.kv_slot], SeqStatus.RUNNING
 
-    order, logits = forward.logits([a, c, b], {c}, None)
+    order, logits = forward.logits([a, c, b], {c: len(c.prompt_ids)}, None)
 
     assert order == [a, b, c]  # the graph's rows first, then the prompt prefilled eagerly
     assert replays[-1] == cuda_graphs.GraphKey(2, 256, True, False)
@@ -67,7 +68,7 @@ def test_decoding_rows_replay_a_graph_and_new_prompts_follow_eagerly(replays: li
 
     # Next step with its tokens still in flight: inputs come from the device tensor, one position further.
     flight = InFlight.launch(order, torch.tensor([21, 22, 23]))
-    order, logits = forward.logits([a, b, c], set(), flight)
+    order, logits = forward.logits([a, b, c], {}, flight)
     assert order == [a, b, c] and replays[-1] == cuda_graphs.GraphKey(4, 256, True, False)
     want = _eager(eager_kv, [(a, [21], 6), (b, [22], 4), (c, [23], 4)])
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
@@ -82,8 +83,42 @@ def test_without_graphs_every_row_runs_eagerly_in_the_running_order(replays: lis
     a.output_ids, a.status = [9], SeqStatus.RUNNING
     flight = InFlight.launch([b, a], torch.tensor([0, 30]))  # a's token is in flight; b was not running then
 
-    order, logits = forward.logits([b, a], {b}, flight)
+    order, logits = forward.logits([b, a], {b: len(b.prompt_ids)}, flight)
 
     assert order == [b, a] and replays == []
     want = _eager(eager_kv, [(b, b.prompt_ids, 0), (a, [30], 4)])
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_prompt_prefilled_in_chunks_beside_graphed_decoding_rows_ends_as_a_whole_prefill(
+    replays: list[object],
+) -> None:
+    """Chunks after the first attend to the keys of the chunks before them (SDPA's own causal mask is aligned to
+    the first key, so it would keep a chunk's rows from most of them); a chunk short of the prompt's end gets
+    no row, and the last gives the logits a whole prefill gives."""
+    graphed_kv, eager_kv = _caches()
+    stacks = _stacks(fused=True)
+    graphs = cuda_graphs.DecodeGraphs(_model(), graphed_kv, stacks, 4, None)
+    graphs.capture_all()
+    forward = StepForward(_model(), graphed_kv, stacks, CPU, graphs)
+    a, b = _seq("a", [5, 6, 7], 0, 0), _seq("b", [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], 1, 1)
+    _eager(graphed_kv, [(a, a.prompt_ids, 0)])
+    a.output_ids, a.status = [9], SeqStatus.RUNNING
+    b.status, b.prefilled = SeqStatus.RUNNING, 0
+    tokens = 9
+    for chunk in (4, 4, 3):
+        b.prefilled += chunk  # as `Scheduler.schedule` does
+        order, logits = forward.logits([a, b], {b: chunk}, None)
+        assert replays[-1] == cuda_graphs.GraphKey(1, 256, True, False)  # a alone, graphed
+        if not b.prefill_done:
+            assert order == [a] and logits.shape[0] == 1
+        a.output_ids.append(tokens)
+        tokens += 1
+
+    assert order == [a, b]
+    whole = _eager(eager_kv, [(b, b.prompt_ids, 0)])
+    torch.testing.assert_close(logits[1:], whole, rtol=1e-4, atol=1e-4)
+    # The cache holds the prompt's keys as a whole prefill writes them: b's next decode step agrees too.
+    b.output_ids = [7]
+    order, logits = forward.logits([b], {}, None)
+    torch.testing.assert_close(logits, _eager(eager_kv, [(b, [7], len(b.prompt_ids))]), rtol=1e-4, atol=1e-4)
