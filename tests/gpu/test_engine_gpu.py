@@ -217,6 +217,23 @@ def test_prompts_joining_running_decodes_match_eager(engines: tuple[LLMEngine, L
         assert _join(graphed, prompts, names) == _join(eager, prompts, names)
 
 
+def test_prompts_prefilled_in_chunks_beside_graphed_decodes_match_whole_eager_prefills(
+    engines: tuple[LLMEngine, LLMEngine],
+) -> None:
+    """A prefill budget below the prompts' lengths: chunks run eagerly (attention over the chunks before them,
+    LoRA on their rows) while the running requests decode in their graph; the tokens of whole prefills."""
+    eager, graphed = engines
+    prompts = _prompts(eager, 6)
+    names: list[str | None] = [None, "r16", "r8-qv", "r16", None, "r4-mlp"]
+    assert max(len(p) for p in prompts) > 3 * 24
+    budget = graphed.scheduler.max_num_batched_tokens
+    graphed.scheduler.max_num_batched_tokens = 24
+    try:
+        assert _join(graphed, prompts, names) == _join(eager, prompts, names)
+    finally:
+        graphed.scheduler.max_num_batched_tokens = budget
+
+
 def test_graphs_that_replay_concurrently_were_captured_on_their_own_streams(
     engines: tuple[LLMEngine, LLMEngine],
 ) -> None:
