@@ -35,6 +35,7 @@ bench: install-test
 	$(PY) bench/adapter_loading.py
 	$(PY) bench/detokenize.py
 	$(PY) bench/sampling.py
+	$(PY) bench/chunked_prefill.py
 
 proto: install-test
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. engine/engine.proto
