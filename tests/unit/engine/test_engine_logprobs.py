@@ -25,6 +25,7 @@ REQUESTS = {
     "none": SamplingParams(max_tokens=10),
     "zero": SamplingParams(max_tokens=6, temperature=0.8, seed=3, logprobs=0),
 }
+Request = tuple[list[int], str | None, SamplingParams]  # prompt, adapter, params
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +43,10 @@ def engine(request: pytest.FixtureRequest, model: Path) -> Iterator[LLMEngine]:
     eng.stop()
 
 
-def _run(
-    engine: LLMEngine, requests: dict[str, SamplingParams]
+def run_recorded(
+    engine: LLMEngine, requests: dict[str, Request]
 ) -> tuple[dict[str, list[RequestOutput]], dict[str, list[torch.Tensor]]]:
-    """Every request's outputs, and the logits rows each was given, in step order."""
+    """Every request's outputs, and the logits rows each was given, in step order (tests/gpu runs it too)."""
     outputs: dict[str, list[RequestOutput]] = defaultdict(list)
     rows: dict[str, list[torch.Tensor]] = defaultdict(list)
     forward = engine.forward.logits
@@ -57,14 +58,14 @@ def _run(
         return order, logits
 
     engine.forward.logits = recorded  # type: ignore[method-assign]
-    for rid, params in requests.items():
-        engine.add_request(rid, PROMPT, params, None, outputs[rid].append)
+    for rid, (prompt, adapter, params) in requests.items():
+        engine.add_request(rid, prompt, params, adapter, outputs[rid].append)
     engine.run_until_idle()
     engine.forward.logits = forward  # type: ignore[method-assign]
     return outputs, rows
 
 
-def _check(outputs: list[RequestOutput], rows: list[torch.Tensor], wanted: int | None) -> list[TokenLogprobs]:
+def check_logprobs(outputs: list[RequestOutput], rows: list[torch.Tensor], wanted: int | None) -> list[TokenLogprobs]:
     """The request's log-probabilities, checked against its rows: the k-th token was sampled from the k-th."""
     tokens = [t for o in outputs for t in o.token_ids]
     entries = [e for o in outputs for e in o.logprobs]
@@ -72,7 +73,7 @@ def _check(outputs: list[RequestOutput], rows: list[torch.Tensor], wanted: int |
     expected = [len(o.token_ids) if wanted is not None else 0 for o in outputs]
     assert [len(o.logprobs) for o in outputs] == expected and len(rows) >= len(tokens)
     for token, entry, row in zip(tokens, entries, rows, strict=False):
-        reference = torch.log_softmax(row, dim=-1)
+        reference = torch.log_softmax(row.float(), dim=-1)
         assert entry.logprob == pytest.approx(float(reference[token]), abs=1e-5)
         best = reference.topk(wanted or 1)
         assert [i for i, _ in entry.top] == (best.indices.tolist() if wanted else [])
@@ -81,20 +82,21 @@ def _check(outputs: list[RequestOutput], rows: list[torch.Tensor], wanted: int |
 
 
 def test_each_token_carries_the_logprobs_of_the_row_it_was_sampled_from(engine: LLMEngine) -> None:
-    outputs, rows = _run(engine, REQUESTS)
+    outputs, rows = run_recorded(engine, {rid: (PROMPT, None, params) for rid, params in REQUESTS.items()})
     for rid, params in REQUESTS.items():
-        entries = _check(outputs[rid], rows[rid], params.logprobs)
+        entries = check_logprobs(outputs[rid], rows[rid], params.logprobs)
         assert len(entries) == (outputs[rid][-1].completion_tokens if params.logprobs is not None else 0)
     greedy = [t for o in outputs["greedy"] for t in o.token_ids]
     assert [e.top[0][0] for o in outputs["greedy"] for e in o.logprobs] == greedy
 
 
 def test_the_token_that_completes_a_stop_string_keeps_its_logprobs(engine: LLMEngine) -> None:
-    probe, _ = _run(engine, {"probe": SamplingParams(max_tokens=8, logprobs=1)})
+    probe, _ = run_recorded(engine, {"probe": (PROMPT, None, SamplingParams(max_tokens=8, logprobs=1))})
     text = "".join(o.text for o in probe["probe"])
     stop = text[len(text) // 2 : len(text) // 2 + 2]
-    outputs, rows = _run(engine, {"stop": SamplingParams(max_tokens=8, logprobs=1, stop=(stop,))})
+    stopping = SamplingParams(max_tokens=8, logprobs=1, stop=(stop,))
+    outputs, rows = run_recorded(engine, {"stop": (PROMPT, None, stopping)})
     last = outputs["stop"][-1]
     assert last.finish_reason == "stop" and last.token_ids and last.logprobs
-    entries = _check(outputs["stop"], rows["stop"], 1)
+    entries = check_logprobs(outputs["stop"], rows["stop"], 1)
     assert len(entries) == last.completion_tokens < 8
