@@ -2,7 +2,8 @@
 
 It speaks the real `engine/engine.proto` service but runs no model: every request streams a fixed number
 of chunks of fixed text, so the gateway's own cost can be measured without the engine dominating. It is
-never a default anywhere; a config or a test has to name it explicitly.
+never a default anywhere; a config or a test has to name it explicitly. Requests that ask for logprobs get
+made-up ones (`fixture_logprobs`).
 
     python bench/fast_engine.py --port 0 --ready-file P [--chunks 16] [--delay-ms 0]
 
@@ -43,6 +44,17 @@ class FastEngineOptions:
     max_model_len: int = 2048
     # Seconds an adapter stays "loading" after LoadAdapter, to exercise cold starts.
     load_delay_s: float = 0.0
+
+
+def fixture_logprobs(text: str, index: int, top: int) -> pb.TokenLogprobs:
+    """Made-up log-probabilities of the `index`-th token `text`: it is the most likely, at -0.25, and "alt1",
+    "alt2", ... follow at -1, -2, ... (every value exact in float32)."""
+    sampled = pb.TokenLogprob(token_id=index, token=text, token_bytes=text.encode(), logprob=-0.25)
+    others = [
+        pb.TokenLogprob(token_id=1000 + k, token=f"alt{k}", token_bytes=f"alt{k}".encode(), logprob=-float(k))
+        for k in range(1, top)
+    ]
+    return pb.TokenLogprobs(sampled=sampled, top=[sampled, *others][:top])
 
 
 def count_prompt_tokens(request: pb.GenerateRequest) -> int:
@@ -122,6 +134,7 @@ class FastEngineFixture(pb_grpc.EngineServicer):
             n = self.options.chunks if limit == 0 else min(limit, self.options.chunks)
             finish = "length" if limit and limit < self.options.chunks else "stop"
             text, delay = self.options.chunk_text, self.options.delay_s
+            top = request.sampling.logprobs if request.sampling.HasField("logprobs") else None
             produced = 0
             for i in range(n):
                 if delay > 0:
@@ -132,17 +145,20 @@ class FastEngineFixture(pb_grpc.EngineServicer):
                 produced += 1
                 if i == n - 1:
                     break
-                yield pb.GenerateResponse(request_id=rid, text=text, token_ids=(i,))
+                logprobs = () if top is None else (fixture_logprobs(text, i, top),)
+                yield pb.GenerateResponse(request_id=rid, text=text, token_ids=(i,), logprobs=logprobs)
             self.tokens_generated += produced
             info = self.adapters.get(request.adapter)
             if info is not None:
                 info.requests_served += 1
                 info.tokens_generated += produced
             # The last token rides on the final message, as a real engine may do.
+            last = finish != "abort" and n > 0
             yield pb.GenerateResponse(
                 request_id=rid,
-                text=text if finish != "abort" and n > 0 else "",
-                token_ids=(n - 1,) if finish != "abort" and n > 0 else (),
+                text=text if last else "",
+                token_ids=(n - 1,) if last else (),
+                logprobs=(fixture_logprobs(text, n - 1, top),) if last and top is not None else (),
                 finish_reason=finish,
                 usage=pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=produced),
             )

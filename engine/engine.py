@@ -25,6 +25,7 @@ from engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from engine.eviction import DecayedFrequencyPolicy, LRUPolicy
 from engine.kv_cache import KVCache
 from engine.loader import load_weights, resolve_model
+from engine.logprobs import StepLogprobs, TokenLogprobs, read_logprobs
 from engine.lora import LoRAStacks
 from engine.model import DecoderModel
 from engine.pool import AdapterCacheStats, AdapterPool, AdapterVersion
@@ -432,11 +433,11 @@ class LLMEngine:
             if previous is not None:
                 self._complete(previous)
             return
-        tokens = sample_tokens(logits, [s.params for s in order], [s.generator for s in order])
+        tokens, logprobs = self._sample(order, logits)
         self.steps += 1
         self._fill_ahead()
         if self.async_steps and self.step_trace is None:  # a trace times each phase up to its own tokens
-            self._inflight = InFlight.launch(order, tokens)
+            self._inflight = InFlight.launch(order, tokens, logprobs)
             if previous is not None:
                 self._complete(previous)
             return
@@ -446,8 +447,15 @@ class LLMEngine:
         if trace and self.step_trace is not None:
             trace.mark()
             self.step_trace.append((tuple(trace.phases), (len(prefills), self.pool.slot_misses - trace.misses)))
-        for seq, token in zip(order, values, strict=True):
-            self._append(seq, token)
+        for seq, token, chosen in zip(order, values, read_logprobs(logprobs, len(order)), strict=True):
+            self._append(seq, token, chosen)
+
+    def _sample(self, order: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, StepLogprobs | None]:
+        """The step's tokens, and the log-probabilities of the rows that asked for them; both stay on the device
+        (the log-probabilities on their way to host memory), to be read with the tokens."""
+        params = [s.params for s in order]
+        tokens = sample_tokens(logits, params, [s.generator for s in order])
+        return tokens, StepLogprobs.compute(logits, tokens, [p.logprobs for p in params])
 
     def _fill_ahead(self) -> None:
         """While the GPU runs the step just launched, copy the adapters of the requests next to join into
@@ -465,11 +473,13 @@ class LLMEngine:
 
     def _complete(self, flight: InFlight) -> None:
         """Hand a step's tokens to their sequences; those finished since it was launched drop theirs."""
-        for seq, token in zip(flight.order, flight.read(), strict=True):
+        chosen = read_logprobs(flight.logprobs, len(flight.order))
+        for seq, token, logprobs in zip(flight.order, flight.read(), chosen, strict=True):
             if seq.status is SeqStatus.RUNNING:
-                self._append(seq, token)
+                self._append(seq, token, logprobs)
 
-    def _append(self, seq: Sequence, token: int) -> None:
+    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> None:
+        """Hand `token` (with its `logprobs` when the request asked) to `seq`: its output, or its end."""
         params = seq.params
         if token in self.tokenizer.eos_token_ids and not params.ignore_eos:
             self._finish(seq, "stop")
@@ -482,16 +492,18 @@ class LLMEngine:
             window_start = max(0, seq.emitted_chars - seq.max_stop_len)
             hits = [i for i in (text.find(s, window_start) for s in params.stop) if i >= 0]
             if hits:
-                self._finish(seq, "stop", text_end=min(hits), new_token=token)
+                self._finish(seq, "stop", text_end=min(hits), new_token=token, logprobs=logprobs)
                 return
         if len(seq.output_ids) >= params.max_tokens or seq.context_len >= self.max_model_len:
-            self._finish(seq, "length", new_token=token)
+            self._finish(seq, "length", new_token=token, logprobs=logprobs)
             return
         # Hold back a possible stop-string prefix until it is ruled out.
         safe_end = len(text) - (seq.max_stop_len - 1 if params.stop else 0)
         delta = text[seq.emitted_chars : safe_end] if safe_end > seq.emitted_chars else ""
         seq.emitted_chars += len(delta)
-        seq.sink(RequestOutput(seq.request_id, delta, (token,), None, len(seq.prompt_ids), len(seq.output_ids)))
+        entries = () if logprobs is None else (logprobs,)
+        prompt_len, output_len = len(seq.prompt_ids), len(seq.output_ids)
+        seq.sink(RequestOutput(seq.request_id, delta, (token,), None, prompt_len, output_len, logprobs=entries))
 
     def _finish(
         self,
@@ -500,6 +512,7 @@ class LLMEngine:
         *,
         text_end: int | None = None,
         new_token: int | None = None,
+        logprobs: TokenLogprobs | None = None,
         error: str | None = None,
     ) -> None:
         if seq.status is SeqStatus.FINISHED:
@@ -519,5 +532,6 @@ class LLMEngine:
                 len(seq.prompt_ids),
                 len(seq.output_ids),
                 error=error,
+                logprobs=() if logprobs is None else (logprobs,),
             )
         )

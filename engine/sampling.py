@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.logprobs import MAX_LOGPROBS
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -18,6 +20,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # None: no log-probabilities; N: each sampled token's, with the N most likely tokens beside it (engine/logprobs.py)
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -35,6 +39,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if any(not s for s in self.stop) or len(self.stop) > 16:
             raise ValueError("stop must hold at most 16 non-empty strings")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be within [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

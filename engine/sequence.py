@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.logprobs import TokenLogprobs
 from engine.pool import AdapterVersion
 from engine.sampling import SamplingParams
 from engine.tokenizer import IncrementalDecoder
@@ -31,6 +32,8 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    # One per entry of `token_ids` when the request asked for log-probabilities, else empty.
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 OutputSink = Callable[[RequestOutput], None]

@@ -84,12 +84,26 @@ class EngineService(pb_grpc.EngineServicer):
                     token_ids=out.token_ids,
                     finish_reason=out.finish_reason or "",
                     usage=usage,
+                    logprobs=self._logprobs(out) if out.logprobs else (),
                 )
                 if finished:
                     return
         finally:
             if not finished:  # client cancelled, deadline passed, or the stream broke
                 engine.abort(request_id)
+
+    def _logprobs(self, out: RequestOutput) -> list[pb.TokenLogprobs]:
+        """The wire form of `out.logprobs`, each token with its text and bytes."""
+        piece = self.engine.tokenizer.piece
+
+        def entry(token_id: int, logprob: float) -> pb.TokenLogprob:
+            text, raw = piece(token_id)
+            return pb.TokenLogprob(token_id=token_id, token=text, token_bytes=raw, logprob=logprob)
+
+        return [
+            pb.TokenLogprobs(sampled=entry(token_id, lp.logprob), top=[entry(i, v) for i, v in lp.top])
+            for token_id, lp in zip(out.token_ids, out.logprobs, strict=True)
+        ]
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         tokenizer = self.engine.tokenizer
@@ -134,6 +148,7 @@ class EngineService(pb_grpc.EngineServicer):
             seed=s.seed if s.HasField("seed") else None,
             stop=tuple(s.stop),
             ignore_eos=s.ignore_eos,
+            logprobs=s.logprobs if s.HasField("logprobs") else None,
         )
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:

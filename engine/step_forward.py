@@ -15,6 +15,7 @@ import torch
 
 from engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from engine.kv_cache import KVCache
+from engine.logprobs import StepLogprobs
 from engine.lora import LoRAStacks
 from engine.lora_batch import LoRABatch
 from engine.model import DecoderModel, SeqSlice
@@ -24,22 +25,24 @@ from engine.sequence import Sequence
 @dataclass(eq=False)
 class InFlight:
     """A step whose tokens were sampled on the device and are not read yet (`EngineConfig.async_steps`):
-    its sequences in row order and the tokens, on their way to host memory."""
+    its sequences in row order and the tokens (and the log-probabilities of the rows that asked), on their way
+    to host memory."""
 
     order: list[Sequence]
     tokens: torch.Tensor  # int64 [len(order)] on the engine's device
     host: torch.Tensor  # the same, copied without waiting (page-locked on CUDA)
     copied: torch.cuda.Event | None
+    logprobs: StepLogprobs | None = None
 
     @staticmethod
-    def launch(order: list[Sequence], tokens: torch.Tensor) -> InFlight:
+    def launch(order: list[Sequence], tokens: torch.Tensor, logprobs: StepLogprobs | None = None) -> InFlight:
         if not tokens.is_cuda:
-            return InFlight(order, tokens, tokens, None)
+            return InFlight(order, tokens, tokens, None, logprobs)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return InFlight(order, tokens, host, copied)
+        return InFlight(order, tokens, host, copied, logprobs)
 
     @functools.cached_property
     def rows(self) -> dict[Sequence, int]:

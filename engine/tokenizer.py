@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,11 @@ class Tokenizer:
             eos_ids.add(int(self._tok.eos_token_id))
         self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
         self.vocab_size = len(self._tok)
+        self._special = frozenset(int(i) for i in self._tok.added_tokens_decoder)
+        decoder = repr(self.backend.decoder)
+        self._byte_level = decoder.startswith("ByteLevel")
+        self._byte_fallback = "ByteFallback" in decoder
+        self._pieces: dict[int, tuple[str, bytes]] = {}
 
     @property
     def has_chat_template(self) -> bool:
@@ -74,6 +80,41 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+    def piece(self, token_id: int) -> tuple[str, bytes]:
+        """One token on its own, as logprobs show it: its text and its bytes. The bytes of a completion's tokens
+        add up to its UTF-8 text, while a token holding part of a character reads U+FFFD as text; special tokens
+        read as themselves ("<|im_end|>"), and an id past the vocabulary (a padded LM head) as nothing."""
+        known = self._pieces.get(token_id)
+        if known is None:
+            raw = self._bytes(token_id)
+            known = self._pieces[token_id] = (raw.decode("utf-8", errors="replace"), raw)
+        return known
+
+    def _bytes(self, token_id: int) -> bytes:
+        piece = self.backend.id_to_token(token_id) if 0 <= token_id < self.vocab_size else None
+        if piece is None:
+            return b""
+        if token_id in self._special:
+            return str(piece).encode()
+        if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if self._byte_fallback:  # SentencePiece: "<0xE2>" is one byte, "▁" a space
+            byte = _BYTE_PIECE.fullmatch(piece)
+            return bytes([int(byte[1], 16)]) if byte else piece.replace("\u2581", " ").encode()
+        return str(self._tok.decode([token_id])).encode()
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, read backwards: the byte each vocabulary character stands for. Printable
+    Latin-1 bytes stand for themselves; the others, in order, for the characters from U+0100 on."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    moved = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(256 + i): b for i, b in enumerate(moved)}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _generation_eos_ids(folder: Path) -> set[int]:

@@ -41,6 +41,8 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # None: no log-probabilities; N: each token's, with the N most likely tokens at its position beside it.
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,24 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token and its log-probability under the model's raw distribution: its text decoded alone (a piece of a
+    multi-byte character reads U+FFFD) and its bytes (those of a completion's tokens add up to its text)."""
+
+    token: str
+    token_bytes: bytes
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A generated token's log-probability, and the most likely tokens at its position, most likely first."""
+
+    sampled: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class TokenChunk:
     """New text for the request (one or more tokens)."""
 
@@ -85,6 +105,9 @@ class TokenChunk:
     # On a request's first chunk: the adapter version serving it (None for the base model), so that a stream
     # can name it before `Done` does.
     adapter_version: str | None = None
+    # With `SamplingParams.logprobs`: one per token of the chunk (the text may be empty: the chunk before `Done`
+    # carries the log-probabilities of tokens whose text never came, such as one that completed a stop string).
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,8 +21,8 @@ import grpc
 
 from engine import engine_pb2 as pb
 from engine import engine_pb2_grpc as pb_grpc
-from gateway.api import Done, GatewayRequest, TokenChunk, Usage
-from gateway.engine_wire import absolute_path, generate_request
+from gateway.api import Done, GatewayRequest, TokenChunk, TokenLogprobs, Usage
+from gateway.engine_wire import absolute_path, generate_request, token_logprobs
 from gateway.errors import (
     DeadlineExceeded,
     GatewayError,
@@ -195,6 +195,8 @@ class EnginePool:
             replica.active[engine_name] = replica.active.get(engine_name, 0) + 1
         admitted = finished = sent_text = False
         pending_tokens = 0
+        # Those of tokens whose text is held back (a possible stop string, part of a character) wait with them.
+        pending_logprobs: tuple[TokenLogprobs, ...] = ()
         try:
             while True:
                 response = await call.read()
@@ -202,11 +204,13 @@ class EnginePool:
                     break
                 admitted = True
                 pending_tokens += len(response.token_ids)
-                if response.text:
+                if response.logprobs:
+                    pending_logprobs += token_logprobs(response.logprobs)
+                if response.text or (pending_logprobs and response.finish_reason):
                     # The first chunk names the version serving the request (streams send it as a header).
                     version = adapter.version if adapter is not None and not sent_text else None
-                    yield TokenChunk(response.text, pending_tokens, version)
-                    pending_tokens = 0
+                    yield TokenChunk(response.text, pending_tokens, version, pending_logprobs)
+                    pending_tokens, pending_logprobs = 0, ()
                     sent_text = True
                 if response.finish_reason:
                     finished = True

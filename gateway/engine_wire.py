@@ -1,11 +1,13 @@
-"""The gateway's requests in the engine's wire format (engine/engine.proto): what the pool sends, value by value."""
+"""The gateway's requests in the engine's wire format (engine/engine.proto): what the pool sends, value by value,
+and the log-probabilities that come back."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 from engine import engine_pb2 as pb
-from gateway.api import GatewayRequest
+from gateway.api import GatewayRequest, TokenLogprob, TokenLogprobs
 
 # top_p 0 (OpenAI accepts it) is the limit of keeping only the most likely token. The engine's wire format
 # reads 0 as "not set" (no cut), so the smallest mass goes instead, which keeps that token only.
@@ -27,6 +29,8 @@ def generate_request(request: GatewayRequest, engine_name: str) -> pb.GenerateRe
         # Clients send int64 seeds (OpenAI's range, negatives included); the wire's uint64 takes them mod 2^64,
         # so each seed still names one sequence of draws.
         sampling.seed = s.seed % 2**64
+    if s.logprobs is not None:
+        sampling.logprobs = s.logprobs
     message = pb.GenerateRequest(
         request_id=request.request_id, adapter=engine_name, sampling=sampling, priority=request.priority
     )
@@ -35,6 +39,15 @@ def generate_request(request: GatewayRequest, engine_name: str) -> pb.GenerateRe
     else:
         message.prompt = request.prompt or ""
     return message
+
+
+def token_logprobs(entries: Iterable[pb.TokenLogprobs]) -> tuple[TokenLogprobs, ...]:
+    """The log-probabilities of a `GenerateResponse`'s tokens, as the gateway's events carry them."""
+    return tuple(TokenLogprobs(_token(e.sampled), tuple(_token(t) for t in e.top)) for e in entries)
+
+
+def _token(t: pb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(t.token, t.token_bytes, t.logprob)
 
 
 def absolute_path(path: str) -> str:

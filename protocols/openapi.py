@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocols.rest_input import _MAX_SEED, _MAX_STOP, _MAX_TOP_K, _MIN_SEED
+from protocols.rest_input import _MAX_LOGPROBS, _MAX_SEED, _MAX_STOP, _MAX_TOP_K, _MIN_SEED
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -44,9 +44,20 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _request(properties: dict[str, Any], required: tuple[str, ...], example: dict[str, Any]) -> dict[str, Any]:
+def _request(
+    properties: dict[str, Any],
+    required: tuple[str, ...],
+    example: dict[str, Any],
+    *,
+    refused: dict[str, Any] | None = None,
+    more_examples: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """A request body's schema; `refused` describes bodies refused whatever their fields' own values."""
     props = {name: s if name in required else _nullable(s) for name, s in properties.items()}
-    return {**_object(props, required), "examples": [example]}
+    out = {**_object(props, required), "examples": [example, *(more_examples or ())]}
+    if refused is not None:
+        out["not"] = refused
+    return out
 
 
 def _unsupported(schema: dict[str, Any], accepted: str) -> dict[str, Any]:
@@ -109,7 +120,12 @@ _SAMPLING: dict[str, Any] = {
     "include_stop_str_in_output": _unsupported({"type": "boolean", "const": False}, "false"),
     "use_beam_search": _unsupported({"type": "boolean", "const": False}, "false"),
     **{f"guided_{kind}": _unsupported({"type": "null"}, "null") for kind in ("json", "regex", "choice", "grammar")},
+    "prompt_logprobs": _unsupported({"type": "null"}, "null"),
 }
+_LOGPROBS_NOTE = (
+    "Log-probabilities of the model's raw distribution (before temperature, top_k and top_p); above "
+    f"{_MAX_LOGPROBS} a 400"
+)
 
 _HEADERS = [
     {
@@ -167,19 +183,46 @@ def _schemas() -> dict[str, Any]:
             return _object(properties, head)
         return _object(properties, (*head, "usage"))
 
+    # Null unless the request asked for log-probabilities; a stream's chunks carry those of their own tokens.
+    chat_logprobs = {"oneOf": [{"type": "null"}, _ref("ChatLogprobs")]}
+    text_logprobs = {"oneOf": [{"type": "null"}, _ref("CompletionLogprobs")]}
     chat_choice = {
         "index": {"const": 0},
         "message": _object({"role": {"const": "assistant"}, "content": {"type": "string"}}, ("role", "content")),
-        "logprobs": {"type": "null"},
+        "logprobs": chat_logprobs,
         "finish_reason": finish,
     }
     chunk_choice = {
         "index": {"const": 0},
         "delta": _object({"role": {"const": "assistant"}, "content": {"type": "string"}}),
-        "logprobs": {"type": "null"},
+        "logprobs": chat_logprobs,
         "finish_reason": _nullable(finish),
     }
-    text_choice = {"index": {"const": 0}, "text": {"type": "string"}, "logprobs": {"type": "null"}}
+    text_choice = {"index": {"const": 0}, "text": {"type": "string"}, "logprobs": text_logprobs}
+    token = {
+        "token": {"type": "string", "description": "The token decoded alone (part of a character reads U+FFFD)"},
+        "logprob": {"type": "number", "description": "-9999.0 for a token the model rules out"},
+        "bytes": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 255},
+            "description": "The token's bytes: a completion's add up to its UTF-8 text",
+        },
+    }
+    top_tokens = {"type": "array", "items": _object(token, tuple(token)), "maxItems": _MAX_LOGPROBS}
+    chat_entry = _object({**token, "top_logprobs": top_tokens}, (*token, "top_logprobs"))
+    text_logprobs_object = _object(
+        {
+            "tokens": {"type": "array", "items": {"type": "string"}},
+            "token_logprobs": {"type": "array", "items": {"type": "number"}},
+            "top_logprobs": {
+                "type": "array",
+                "items": {"type": "object", "maxProperties": _MAX_LOGPROBS + 1},
+                "description": "Per token: the `logprobs` most likely tokens and the sampled one, token -> logprob",
+            },
+            "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        },
+        ("tokens", "token_logprobs", "top_logprobs", "text_offset"),
+    )
     return {
         "Error": _object(
             {
@@ -196,6 +239,8 @@ def _schemas() -> dict[str, Any]:
             ("error",),
         ),
         "Usage": usage,
+        "ChatLogprobs": _object({"content": {"type": "array", "items": chat_entry}}, ("content",)),
+        "CompletionLogprobs": text_logprobs_object,
         "ChatMessage": message,
         "ChatCompletionRequest": _request(
             {
@@ -210,11 +255,24 @@ def _schemas() -> dict[str, Any]:
                 "functions": _unsupported({"type": "array", "maxItems": 0}, "[]"),
                 "tool_choice": _unsupported({"type": "string", "const": "none"}, '"none"'),
                 "response_format": _unsupported(_object({"type": {"const": "text"}}, ("type",)), '{"type": "text"}'),
-                "logprobs": _unsupported({"type": "boolean", "const": False}, "false"),
-                "top_logprobs": _unsupported({"type": "integer", "const": 0}, "0"),
+                "logprobs": {"type": "boolean", "description": _LOGPROBS_NOTE},
+                "top_logprobs": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "maximum": _MAX_LOGPROBS,
+                    "description": "The most likely tokens to list at each position; above 0 it needs logprobs true",
+                },
             },
             ("model", "messages"),
             {"model": "pirate", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+            # top_logprobs above 0 without logprobs true is a 400 (OpenAI's rule; 0 alone changes nothing, as in vLLM).
+            refused={
+                "required": ["top_logprobs"],
+                "properties": {"top_logprobs": {"type": "integer", "minimum": 1}, "logprobs": {"not": {"const": True}}},
+            },
+            more_examples=[
+                {"model": "base", "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 3}
+            ],
         ),
         "CompletionRequest": _request(
             {
@@ -226,7 +284,12 @@ def _schemas() -> dict[str, Any]:
                     ],
                     "description": "One text prompt (a list of exactly one string is accepted)",
                 },
-                "logprobs": _unsupported({"type": "integer", "const": 0}, "0"),
+                "logprobs": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "maximum": _MAX_LOGPROBS,
+                    "description": f"The sampled token's logprob and this many most likely tokens'. {_LOGPROBS_NOTE}",
+                },
                 "echo": _unsupported({"type": "boolean", "const": False}, "false"),
                 "suffix": _unsupported({"type": "string", "maxLength": 0}, '""'),
                 "best_of": _unsupported({"type": "integer", "enum": [1]}, "1"),

@@ -1,7 +1,7 @@
 """Validation of OpenAI request bodies: JSON in, a `ParsedBody` out, or a `FieldError` naming the field.
 
 Only what the gateway can honour is accepted; anything it would silently ignore in a way that changes
-the answer (n > 1, logprobs, tools, penalties, several prompts) is refused with a 400 that says so.
+the answer (n > 1, prompt logprobs, tools, penalties, several prompts) is refused with a 400 that says so.
 protocols/openapi.py describes exactly this; tests/unit/protocols/test_openapi.py holds the two together.
 """
 
@@ -21,6 +21,9 @@ _MAX_STOP = 4
 # engine client takes mod 2^64.
 _MAX_TOP_K = 2**32 - 1
 _MIN_SEED, _MAX_SEED = -(2**63), 2**64 - 1
+# The most likely tokens a request may ask for beside each sampled one: vLLM's default max_logprobs, OpenAI's
+# top_logprobs bound, and the engine's (engine/logprobs.py).
+_MAX_LOGPROBS = 20
 # vLLM's extra sampling fields -> their no-op values (null is one too). top_k is honoured, its -1 ("off") included.
 _VLLM_NO_OPS: dict[str, tuple[object, ...]] = {
     "repetition_penalty": (1, 1.0),
@@ -34,6 +37,7 @@ _VLLM_NO_OPS: dict[str, tuple[object, ...]] = {
     "guided_regex": (),
     "guided_choice": (),
     "guided_grammar": (),
+    "prompt_logprobs": (),
 }
 
 
@@ -73,12 +77,17 @@ def parse_chat(data: object, base_name: str) -> ParsedBody:
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise _bad('only response_format {"type": "text"} is supported', "response_format")
-    _no_op(body, "logprobs", "logprobs are not supported", False)
-    _no_op(body, "top_logprobs", "logprobs are not supported", 0)
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise _bad("logprobs must be true or false", "logprobs")
+    top = _logprobs_count(body, "top_logprobs")
+    if top and not logprobs:  # 0 changes nothing, and vLLM accepts it alone
+        raise _bad("top_logprobs needs logprobs to be true", "top_logprobs")
     # Both are checked; the newer max_completion_tokens wins when a client sends both.
     max_tokens = _int(body, "max_tokens", 1)
     newer = _int(body, "max_completion_tokens", 1)
-    return _common(body, base_name, None, messages, max_tokens if newer is None else newer)
+    wanted = (top or 0) if logprobs else None
+    return _common(body, base_name, None, messages, max_tokens if newer is None else newer, wanted)
 
 
 def parse_completion(data: object, base_name: str) -> ParsedBody:
@@ -92,13 +101,13 @@ def parse_completion(data: object, base_name: str) -> ParsedBody:
     if not isinstance(prompt, str):
         raise _bad("prompt must be a string (token-id prompts are not supported)", "prompt")
     _text(prompt, "prompt")
-    _no_op(body, "logprobs", "logprobs are not supported", 0)
+    logprobs = _logprobs_count(body, "logprobs")
     _no_op(body, "echo", "echo is not supported", False)
     _no_op(body, "suffix", "suffix is not supported", "")
     best_of = _int(body, "best_of", 1)
     if best_of not in (None, 1):
         raise _bad("best_of > 1 is not supported", "best_of")
-    return _common(body, base_name, prompt, None, _int(body, "max_tokens", 1))
+    return _common(body, base_name, prompt, None, _int(body, "max_tokens", 1), logprobs)
 
 
 def parse_model(model: str, base_name: str) -> str | None:
@@ -119,6 +128,7 @@ def _common(
     prompt: str | None,
     messages: tuple[ChatMessage, ...] | None,
     max_tokens: int | None,
+    logprobs: int | None,
 ) -> ParsedBody:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -158,6 +168,7 @@ def _common(
         top_k=max(0, _int(body, "top_k", -1, _MAX_TOP_K) or 0),
         seed=_int(body, "seed", _MIN_SEED, _MAX_SEED),
         stop=_stop(body.get("stop")),
+        logprobs=logprobs,
     )
     return ParsedBody(
         model=model,
@@ -218,6 +229,18 @@ def _int(body: dict[str, Any], name: str, minimum: int | None, maximum: int | No
     if maximum is not None and value > maximum:
         raise _bad(f"{name} must be at most {maximum}, got {value}", name)
     return value
+
+
+def _logprobs_count(body: dict[str, Any], name: str) -> int | None:
+    """A count of most likely tokens to return beside each sampled one: 0 to 20; above, refused in vLLM's words."""
+    count = _int(body, name, 0)
+    if count is not None and count > _MAX_LOGPROBS:
+        raise _bad(
+            f"Requested sample logprobs of {count}, which is greater than max allowed: {_MAX_LOGPROBS} "
+            f"(parameter={name}, value={count})",
+            name,
+        )
+    return count
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:

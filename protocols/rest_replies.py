@@ -14,6 +14,7 @@ from aiohttp import web
 from gateway.api import Done, Error, Event, TokenChunk
 from gateway.errors import Status
 from protocols.rest_input import ParsedBody
+from protocols.rest_logprobs import ReplyLogprobs
 
 # Status -> (HTTP status, OpenAI error type): the one place REST turns outcomes into wire codes.
 HTTP_STATUS: dict[Status, tuple[int, str]] = {
@@ -60,9 +61,12 @@ async def whole_reply(events: AsyncIterator[Event], body: ParsedBody, request_id
     """The completion's JSON reply once its events end; an error event becomes the error reply instead."""
     parts: list[str] = []
     done: Done | None = None
+    logprobs = ReplyLogprobs(chat) if body.sampling.logprobs is not None else None
     async for event in events:
         if type(event) is TokenChunk:
             parts.append(event.text)
+            if logprobs is not None:
+                logprobs.add(event.text, event.logprobs)
         elif type(event) is Done:
             done = event
         elif isinstance(event, Error):
@@ -77,7 +81,7 @@ async def whole_reply(events: AsyncIterator[Event], body: ParsedBody, request_id
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": None if logprobs is None else logprobs.take(),
             "finish_reason": done.finish_reason,
         }
         reply = {
@@ -89,7 +93,8 @@ async def whole_reply(events: AsyncIterator[Event], body: ParsedBody, request_id
             "usage": usage,
         }
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
+        taken = None if logprobs is None else logprobs.take()
+        choice = {"index": 0, "text": text, "logprobs": taken, "finish_reason": done.finish_reason}
         reply = {
             "id": f"cmpl-{request_id}",
             "object": "text_completion",
@@ -122,14 +127,17 @@ async def stream_reply(
         chunk_id = json.dumps(f"chatcmpl-{request_id}")
         head = f'{{"id":{chunk_id},"object":"chat.completion.chunk","created":{created},"model":{model}'
         open_text = head + ',"choices":[{"index":0,"delta":{"content":'
-        close_text = '},"logprobs":null,"finish_reason":null}]}\n\n'
+        logprobs_key = b'},"logprobs":'
     else:
         chunk_id = json.dumps(f"cmpl-{request_id}")
         head = f'{{"id":{chunk_id},"object":"text_completion","created":{created},"model":{model}'
         open_text = head + ',"choices":[{"index":0,"text":'
-        close_text = ',"logprobs":null,"finish_reason":null}]}\n\n'
+        logprobs_key = b',"logprobs":'
     prefix = b"data: " + open_text.encode()
-    suffix = close_text.encode()
+    close = b',"finish_reason":null}]}\n\n'
+    suffix = logprobs_key + b"null" + close
+    # Chunks of requests that asked for log-probabilities carry those of their tokens; the others a constant.
+    logprobs = ReplyLogprobs(chat) if body.sampling.logprobs is not None else None
     headers = {**_SSE_HEADERS, "X-Request-Id": request_id}
     version = first.adapter_version if isinstance(first, TokenChunk | Done) else None
     if version:  # named by the first event, before the headers go out (a JSON reply takes it from `Done`)
@@ -148,6 +156,9 @@ async def stream_reply(
     event: Event | None = first
     while event is not None:
         if type(event) is TokenChunk:
+            if logprobs is not None:
+                logprobs.add(event.text, event.logprobs)
+                suffix = logprobs_key + json.dumps(logprobs.take()).encode() + close
             await response.write(pending + prefix + json.dumps(event.text).encode() + suffix)
             pending = b""
         elif type(event) is Done:

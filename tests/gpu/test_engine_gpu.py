@@ -19,6 +19,7 @@ from engine.loader import load_weights, resolve_model
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 from tests.support.random_model import write_random_llama
+from tests.unit.engine.test_engine_logprobs import check_logprobs, run_recorded
 from tests.unit.engine.tiny import write_adapter
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -283,3 +284,29 @@ def test_lora_inside_the_gemms_matches_the_separate_kernels(
             assert _generate(graphed, requests, tokens=24) == _generate(separate, requests, tokens=24)
     finally:
         separate.stop()
+
+
+def test_logprobs_computed_on_the_device_are_those_of_each_rows_logits(engines: tuple[LLMEngine, LLMEngine]) -> None:
+    """Log-probabilities computed on the GPU and copied to page-locked memory beside the tokens, with decode
+    graphs and prefills on their own stream, sync and async steps: each token's entry against its own row."""
+    _, graphed = engines
+    prompts = _prompts(graphed, 4)
+    seeded = SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.2, seed=5, logprobs=1)
+    requests = {
+        "greedy": (prompts[0], None, SamplingParams(max_tokens=16, ignore_eos=True, logprobs=5)),
+        "adapter": (prompts[1], "r16", SamplingParams(max_tokens=16, ignore_eos=True, logprobs=20)),
+        "seeded": (prompts[2], "r8-qv", seeded),
+        "none": (prompts[3], None, SamplingParams(max_tokens=16, ignore_eos=True)),
+    }
+    assert graphed.graphs is not None
+    replays = graphed.graphs.replays
+    try:
+        for async_steps in (False, True):
+            graphed.async_steps = async_steps
+            outputs, rows = run_recorded(graphed, {f"{rid}-{async_steps}": r for rid, r in requests.items()})
+            for rid, (_, _, params) in requests.items():
+                entries = check_logprobs(outputs[f"{rid}-{async_steps}"], rows[f"{rid}-{async_steps}"], params.logprobs)
+                assert len(entries) == (16 if params.logprobs is not None else 0)
+    finally:
+        graphed.async_steps = False
+    assert graphed.graphs.replays - replays >= 20  # the decode steps ran as graphs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -68,6 +69,35 @@ def test_completions_plain_and_streamed(client: openai.OpenAI) -> None:
     assert reply.choices[0].text == "tok tok "
     streamed = client.completions.create(model="base", prompt="Once upon", stream=True)
     assert "".join(c.choices[0].text for c in streamed) == "tok " * 5
+
+
+def test_logprobs_chat_and_completions_whole_and_streamed(client: openai.OpenAI) -> None:
+    # The fixture engine makes them up: each "tok " at -0.25, the most likely, then "alt1" at -1.0, ...
+    messages: list[Any] = [{"role": "user", "content": "hi"}]
+    reply = client.chat.completions.create(
+        model="pirate", messages=messages, max_tokens=3, logprobs=True, top_logprobs=2
+    )
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None and len(logprobs.content) == 3
+    for entry in logprobs.content:
+        assert (entry.token, entry.logprob, entry.bytes) == ("tok ", -0.25, list(b"tok "))
+        assert [(t.token, t.logprob, t.bytes) for t in entry.top_logprobs] == [
+            ("tok ", -0.25, list(b"tok ")),
+            ("alt1", -1.0, list(b"alt1")),
+        ]
+    stream = client.chat.completions.create(
+        model="pirate", messages=messages, max_tokens=3, logprobs=True, top_logprobs=2, stream=True
+    )
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
+    assert streamed == logprobs.content
+    completion = client.completions.create(model="base", prompt="Once upon", max_tokens=2, logprobs=1)
+    text = completion.choices[0].logprobs
+    assert text is not None
+    assert (text.tokens, text.token_logprobs, text.text_offset) == (["tok ", "tok "], [-0.25, -0.25], [0, 4])
+    assert text.top_logprobs == [{"tok ": -0.25}] * 2
+    with pytest.raises(openai.BadRequestError, match="greater than max allowed: 20") as refused:
+        client.chat.completions.create(model="base", messages=messages, logprobs=True, top_logprobs=21)
+    assert refused.value.param == "top_logprobs"
 
 
 def test_models_list(client: openai.OpenAI) -> None:

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import openai
 import pytest
 
 from tests.conftest import DEV_KEY, ServerProcess, gateway_config, http_json, start_gateway
 from tests.support.model_files import DEMO_ADAPTERS, demo_adapter_dir, smollm2_gguf_path
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -113,6 +120,90 @@ def test_streaming_through_the_openai_client(client: openai.OpenAI) -> None:
     assert text == _greedy(client, DEMO_ADAPTERS[0])
     usage = chunks[-1].usage
     assert usage is not None and 0 < usage.completion_tokens <= MAX_TOKENS
+
+
+@functools.cache
+def _tokenizer() -> Tokenizer:
+    from engine.loader import resolve_model
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer(resolve_model("smollm2"))
+
+
+def _reference(ids: tuple[int, ...]) -> torch.Tensor:
+    """Log-probabilities [len(ids), vocab] of the token after each prefix of `ids`, straight from the reference
+    model's logits (transformers on the same GGUF, float32)."""
+    import torch
+
+    from tests.support.hf_reference import load_reference_model
+
+    model, _ = load_reference_model()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([list(ids)])).logits[0].float(), dim=-1)
+
+
+def _entries(reply: Any) -> list[Any]:
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    return list(logprobs.content)
+
+
+def test_chat_logprobs_are_the_models_own_whole_and_streamed(client: openai.OpenAI) -> None:
+    from tests.support.hf_reference import chat_prompt_ids, greedy_generate
+
+    prompt = chat_prompt_ids([{"role": "user", "content": PROMPT}])
+    generated = greedy_generate([prompt], [None], MAX_TOKENS)[0]
+    reference = _reference(tuple(prompt + generated))[len(prompt) - 1 :]  # row k: the distribution of token k
+    piece = _tokenizer().piece
+    request: dict[str, Any] = {
+        "model": "base",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 5,
+    }
+    reply = client.chat.completions.create(**request)
+    content = _entries(reply)
+    assert [bytes(e.bytes) for e in content] == [piece(t)[1] for t in generated]  # the reference's greedy tokens
+    assert b"".join(bytes(e.bytes) for e in content).decode() == reply.choices[0].message.content
+    assert reply.usage is not None and len(content) == reply.usage.completion_tokens
+    for entry, token, row in zip(content, generated, reference, strict=False):
+        assert entry.logprob == pytest.approx(float(row[token]), abs=2e-3)
+        best = row.topk(5)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(best.values.tolist(), abs=2e-3)
+        ids = {piece(i)[1]: i for i in best.indices.tolist()}
+        for listed in entry.top_logprobs:  # each listed token has the reference's logprob for it
+            assert listed.logprob == pytest.approx(float(row[ids[bytes(listed.bytes)]]), abs=2e-3)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the sampled token is the most likely
+    stream = client.chat.completions.create(**request, stream=True)
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
+    assert [(e.token, e.bytes, [t.token for t in e.top_logprobs]) for e in streamed] == [
+        (e.token, e.bytes, [t.token for t in e.top_logprobs]) for e in content
+    ]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-6)
+
+
+def test_completion_logprobs_are_raw_whatever_the_temperature(client: openai.OpenAI) -> None:
+    text = "The capital of France is"
+    row = _reference(tuple(_tokenizer().encode(text)))[-1]  # the first completion token's distribution
+    best = row.topk(20)
+    by_text = {_tokenizer().piece(i)[0]: i for i in range(row.shape[0])}
+    for temperature in (0.0, 1.5):
+        reply = client.completions.create(
+            model="base", prompt=text, max_tokens=4, temperature=temperature, seed=11, logprobs=20
+        )
+        logprobs = reply.choices[0].logprobs
+        assert logprobs is not None and logprobs.tokens and logprobs.token_logprobs and logprobs.top_logprobs
+        first, top = logprobs.tokens[0], logprobs.top_logprobs[0]
+        # The untempered distribution's 20 best (a temperature of 1.5 would flatten them all), and the sampled
+        # token's own value beside them where it is not among them.
+        assert len(top) in (20, 21) and top[first] == logprobs.token_logprobs[0]
+        assert sorted(top.values(), reverse=True)[:20] == pytest.approx(best.values.tolist(), abs=2e-3)
+        assert logprobs.token_logprobs[0] == pytest.approx(float(row[by_text[first]]), abs=2e-3)
+        assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+        if temperature == 0:
+            assert "".join(logprobs.tokens) == reply.choices[0].text
 
 
 def test_engine_refusals_keep_their_meaning(client: openai.OpenAI) -> None:

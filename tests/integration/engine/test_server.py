@@ -90,6 +90,25 @@ def test_generate_streams_tokens_then_finish_and_usage(engine_process: tuple[pb_
     assert last.usage.completion_tokens == sum(len(r.token_ids) for r in responses)
 
 
+def test_generate_sends_each_tokens_logprobs_when_asked(engine_process: tuple[pb_grpc.EngineStub, Path]) -> None:
+    stub, _ = engine_process
+    request = chat_request("lp1", "What is the capital of France?", 12)
+    request.sampling.logprobs = 3
+    responses = list(stub.Generate(request))[1:]
+    assert all(len(r.logprobs) == len(r.token_ids) for r in responses)
+    entries = [(t, e) for r in responses for t, e in zip(r.token_ids, r.logprobs, strict=True)]
+    assert len(entries) == responses[-1].usage.completion_tokens
+    raw = b""
+    for token_id, entry in entries:
+        assert entry.sampled.token_id == token_id and entry.sampled.token == entry.sampled.token_bytes.decode()
+        assert [t.logprob for t in entry.top] == sorted((t.logprob for t in entry.top), reverse=True)
+        assert len(entry.top) == 3 and entry.top[0] == entry.sampled  # greedy: the sampled token is the best
+        raw += entry.sampled.token_bytes
+    assert raw.decode() == "".join(r.text for r in responses)
+    plain = list(stub.Generate(chat_request("lp2", "What is the capital of France?", 12)))
+    assert not any(r.logprobs for r in plain)
+
+
 @pytest.mark.parametrize(
     ("request_", "code", "needle"),
     [
@@ -129,6 +148,11 @@ def test_generate_streams_tokens_then_finish_and_usage(engine_process: tuple[pb_
             pb.GenerateRequest(request_id="e8", prompt="hi", sampling=pb.SamplingParams(temperature=float("nan"))),
             grpc.StatusCode.INVALID_ARGUMENT,
             "temperature",
+        ),
+        (
+            pb.GenerateRequest(request_id="e10", prompt="hi", sampling=pb.SamplingParams(logprobs=21)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "logprobs",
         ),
     ],
 )

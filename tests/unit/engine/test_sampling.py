@@ -53,6 +53,8 @@ def test_top_k_two_only_draws_top_two() -> None:
         (SamplingParams(max_tokens=1, top_p=0.0), "top_p"),
         (SamplingParams(max_tokens=1, top_k=-2), "top_k"),
         (SamplingParams(max_tokens=1, stop=("",)), "stop"),
+        (SamplingParams(max_tokens=1, logprobs=-1), "logprobs"),
+        (SamplingParams(max_tokens=1, logprobs=21), "logprobs"),
     ],
 )
 def test_invalid_params_name_the_field(params: SamplingParams, field: str) -> None:

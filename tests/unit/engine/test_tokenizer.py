@@ -40,6 +40,18 @@ def test_special_and_unknown_ids_add_no_text(tokenizer: Tokenizer) -> None:
     assert decoder.push(tokenizer.encode(" sea")[0]) == " sea"
 
 
+def test_token_pieces_add_up_to_the_text_and_name_special_tokens(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(TEXT)
+    pieces = [tokenizer.piece(t) for t in ids]
+    assert b"".join(raw for _, raw in pieces) == TEXT.encode()  # pieces of a character included
+    assert [text for text, _ in pieces[:4]] == ["The", " sea", " is", " vast"]
+    wave = [tokenizer.piece(t) for t in tokenizer.encode(" 🌊")]
+    assert len(wave) > 1 and all("\ufffd" in text for text, _ in wave)  # no piece is a character alone
+    eos = next(iter(tokenizer.eos_token_ids))
+    assert tokenizer.piece(eos) == ("<|im_end|>", b"<|im_end|>")
+    assert tokenizer.piece(tokenizer.vocab_size + 7) == ("", b"")  # a padded LM head's extra rows
+
+
 def test_a_token_does_not_decode_the_whole_completion_again(
     tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

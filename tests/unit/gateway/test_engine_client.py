@@ -9,9 +9,9 @@ from typing import Any
 import grpc
 import pytest
 
-from bench.fast_engine import FastEngineFixture, FastEngineOptions
+from bench.fast_engine import FastEngineFixture, FastEngineOptions, fixture_logprobs
 from engine import engine_pb2 as pb
-from gateway.api import Done, GatewayRequest, SamplingParams, TokenChunk
+from gateway.api import Done, GatewayRequest, SamplingParams, TokenChunk, TokenLogprob, TokenLogprobs
 from gateway.engine_client import EnginePool
 from gateway.engine_wire import SMALLEST_TOP_P, generate_request
 from gateway.errors import InvalidRequest
@@ -57,6 +57,50 @@ async def test_streams_chunks_then_done_with_usage(engines: list[FastEngineFixtu
     done = events[3]
     assert isinstance(done, Done) and done.finish_reason == "length" and done.adapter_version is None
     assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (2, 3)
+
+
+async def test_logprobs_are_asked_for_and_come_back_with_their_chunks(engines: list[FastEngineFixture]) -> None:
+    engines[0].record_requests = True
+    asked = dataclasses.replace(_request(max_tokens=2), sampling=SamplingParams(max_tokens=2, logprobs=2))
+    async with EnginePool([f"127.0.0.1:{engines[0].port}"]) as pool:
+        events = await _collect(pool, asked)
+        plain = await _collect(pool, _request(max_tokens=2))
+    sent = [r.sampling for r in engines[0].requests_seen]
+    assert sent[0].HasField("logprobs") and sent[0].logprobs == 2 and not sent[1].HasField("logprobs")
+    tok = TokenLogprob("tok ", b"tok ", -0.25)
+    expected = TokenLogprobs(tok, (tok, TokenLogprob("alt1", b"alt1", -1.0)))
+    assert events[:2] == [TokenChunk("tok ", 1, None, (expected,))] * 2
+    assert plain[:2] == [TokenChunk("tok ", 1)] * 2
+
+
+class _HeldBackEngine(FastEngineFixture):
+    """Streams as the engine does around a stop string: a token whose text is held back, then one that
+    releases it, then the one that completes the stop string on the final message, without text."""
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        yield pb.GenerateResponse(request_id=request.request_id, admitted=True)
+        yield pb.GenerateResponse(token_ids=(0,), logprobs=(fixture_logprobs("E", 0, 1),))
+        yield pb.GenerateResponse(text="EN", token_ids=(1,), logprobs=(fixture_logprobs("N", 1, 1),))
+        yield pb.GenerateResponse(
+            token_ids=(2,),
+            logprobs=(fixture_logprobs("D", 2, 1),),
+            finish_reason="stop",
+            usage=pb.Usage(prompt_tokens=2, completion_tokens=3),
+        )
+
+
+async def test_logprobs_of_held_back_tokens_wait_for_their_text_and_none_is_lost() -> None:
+    def entry(token: str) -> TokenLogprobs:
+        sampled = TokenLogprob(token, token.encode(), -0.25)
+        return TokenLogprobs(sampled, (sampled,))
+
+    async with _HeldBackEngine() as engine, EnginePool([f"127.0.0.1:{engine.port}"]) as pool:
+        events = await _collect(pool, _request())
+    assert events[:2] == [
+        TokenChunk("EN", 2, None, (entry("E"), entry("N"))),
+        TokenChunk("", 1, None, (entry("D"),)),  # the stop string's last token: no text, but its logprobs
+    ]
+    assert isinstance(events[2], Done) and events[2].usage.completion_tokens == 3
 
 
 async def test_registers_adapter_once_with_absolute_path(engines: list[FastEngineFixture]) -> None:

@@ -28,6 +28,7 @@ from protocols.openapi import openapi_document
 from protocols.rest import RestServer, _request_id
 from protocols.rest_input import FieldError, parse_chat, parse_completion
 from tests.unit.protocols.test_rest import KEY, FakeGateway
+from tests.unit.protocols.test_rest_logprobs import LogprobsGateway
 
 DOC = openapi_document("smol")
 SCHEMAS = DOC["components"]["schemas"]
@@ -386,6 +387,42 @@ async def test_sse_chunks_match_the_document_and_the_openai_types(
 
 def _ref(name: str) -> dict[str, Any]:
     return {"$ref": f"#/components/schemas/{name}"}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "whole", "chunk"),
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2},
+            ChatCompletion,
+            ChatCompletionChunk,
+        ),
+        ("/v1/completions", {"prompt": "x", "logprobs": 2}, Completion, Completion),
+    ],
+)
+async def test_replies_with_logprobs_match_the_document_and_the_openai_types(
+    path: str, body: dict[str, Any], whole: type[Any], chunk: type[Any]
+) -> None:
+    gateway = LogprobsGateway()
+    async with RestServer(gateway, port=0, model_name="smol") as server, aiohttp.ClientSession(headers=KEY) as http:
+        url = f"http://127.0.0.1:{server.port}{path}"
+        async with http.post(url, json={**body, "model": "base"}) as r:
+            logprobs = whole.model_validate(await _check(r, path)).choices[0].logprobs
+        async with http.post(url, json={**body, "model": "base", "stream": True}) as r:
+            text = await r.text()
+    if chunk is ChatCompletionChunk:
+        assert [e.token for e in logprobs.content[2].top_logprobs] == ["alt1", "alt2"]
+    else:
+        assert logprobs.text_offset == [0, 3, 5, 15] and logprobs.top_logprobs[2]["alt2"] == -2.0
+    events = [json.loads(block.removeprefix("data: ")) for block in text.split("\n\n")[:-2]]
+    name = "ChatCompletionChunk" if chunk is ChatCompletionChunk else "CompletionChunk"
+    for event in events:
+        assert _conforms(_ref(name), event), event
+        if chunk is Completion:  # finish_reason required by the openai type (see the test above)
+            event = {**event, "choices": [{**event["choices"][0], "finish_reason": "stop"}]}
+        chunk.model_validate(event)
+    assert sum(1 for e in events if e["choices"][0]["logprobs"]) == 3  # one per chunk with tokens
 
 
 _HI = [{"role": "user", "content": "x"}]

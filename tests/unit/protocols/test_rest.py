@@ -228,7 +228,7 @@ async def test_completion_stream_without_usage(
         ),
         ("/v1/chat/completions", _chat(logit_bias={"50256": -100}), "logit_bias", "not supported"),
         ("/v1/chat/completions", _chat(tools={}), "tools", "not supported"),
-        ("/v1/chat/completions", _chat(top_logprobs=2), "top_logprobs", "not supported"),
+        ("/v1/chat/completions", _chat(top_logprobs=2), "top_logprobs", "needs logprobs to be true"),
         ("/v1/completions", {"model": "base", "prompt": "x", "echo": 0}, "echo", "not supported"),
     ],
 )
