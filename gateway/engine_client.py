@@ -136,18 +136,18 @@ class EnginePool:
 
     def has_capacity(self) -> bool:
         """Whether some replica taking new requests has a free slot."""
-        return any(_takes_requests(r) and r.in_flight < r.capacity for r in self.replicas)
+        return any(r.takes_requests and r.in_flight < r.capacity for r in self.replicas)
 
     def healthy_count(self) -> int:
         """Replicas taking new requests: healthy and not draining."""
-        return sum(1 for r in self.replicas if _takes_requests(r))
+        return sum(1 for r in self.replicas if r.takes_requests)
 
     def acquire(self, engine_name: str | None, exclude: Iterable[Replica] = ()) -> Replica | None:
         """Take a slot on the best replica for `engine_name` (None = base model), or None if all are full."""
         best: Replica | None = None
         best_key = (2, 0.0)
         for r in self.replicas:
-            if not _takes_requests(r) or r.in_flight >= r.capacity or r in exclude:
+            if not r.takes_requests or r.in_flight >= r.capacity or r in exclude:
                 continue
             # Resident versions first (no load on the request's path), then the least loaded replica.
             cold = 0 if engine_name is None or engine_name in r.adapters else 1
@@ -333,7 +333,7 @@ class EnginePool:
 
         Without a healthy replica nothing can be checked; the versions load when replicas come up.
         """
-        replica = next((r for r in self.replicas if _takes_requests(r)), None)
+        replica = next((r for r in self.replicas if r.takes_requests), None)
         if replica is None:
             return
         for adapter in adapters:
@@ -400,39 +400,11 @@ class EnginePool:
 
     def residency(self) -> dict[str, dict[str, object]]:
         """Per replica: address, health, load and the adapter versions it holds with their state."""
-        return {
-            r.name: {
-                "address": r.address,
-                "healthy": r.healthy,
-                "draining": r.draining,
-                "in_flight": r.in_flight,
-                "capacity": r.capacity,
-                "adapters": dict(r.adapters),
-                "error": r.last_error,
-            }
-            for r in self.replicas
-        }
+        return {r.name: r.residency() for r in self.replicas}
 
     def polled_figures(self) -> dict[str, dict[str, int]]:
-        """Per healthy replica: its load and adapter-cache counters, as of its last Stats poll (a replica that
-        stopped answering reports nothing rather than the load it had)."""
-        figures = {}
-        for r in self.replicas:
-            if r.stats is None or not r.healthy:
-                continue
-            cache = r.stats.adapter_cache
-            figures[r.name] = {
-                "running_requests": r.stats.running_requests,
-                "waiting_requests": r.stats.waiting_requests,
-                "kv_slots_used": r.stats.kv_blocks_used,
-                "draining": int(r.draining),
-                "slot_hits": cache.slot_hits,
-                "slot_misses": cache.slot_misses,
-                "evictions": cache.evictions,
-                "loads": cache.loads,
-                "fills_ahead": cache.fills_ahead,
-            }
-        return figures
+        """Per healthy replica: its load and adapter-cache counters, as of its last Stats poll."""
+        return {r.name: figures for r in self.replicas if (figures := r.polled_figures()) is not None}
 
     # -- health --------------------------------------------------------------------------------
 
@@ -524,10 +496,6 @@ class EnginePool:
         task: asyncio.Task[object] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-def _takes_requests(replica: Replica) -> bool:
-    return replica.healthy and not replica.draining
 
 
 def _channel_closed_under(replica: Replica, stub: pb_grpc.EngineStub) -> bool:

@@ -43,3 +43,38 @@ class Replica:
     loading: dict[str, asyncio.Future[None]] = field(default_factory=dict)
     unloading: dict[str, asyncio.Future[None]] = field(default_factory=dict)
     stats: pb.StatsResponse | None = None
+
+    @property
+    def takes_requests(self) -> bool:
+        """Healthy and not draining: new requests may go here."""
+        return self.healthy and not self.draining
+
+    def residency(self) -> dict[str, object]:
+        """Address, health, load and the adapter versions it holds with their state (the admin API's view)."""
+        return {
+            "address": self.address,
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "in_flight": self.in_flight,
+            "capacity": self.capacity,
+            "adapters": dict(self.adapters),
+            "error": self.last_error,
+        }
+
+    def polled_figures(self) -> dict[str, int] | None:
+        """Its load and adapter-cache counters as of its last Stats poll; None when it has none or stopped
+        answering (rather than the load it had)."""
+        if self.stats is None or not self.healthy:
+            return None
+        cache = self.stats.adapter_cache
+        return {
+            "running_requests": self.stats.running_requests,
+            "waiting_requests": self.stats.waiting_requests,
+            "kv_slots_used": self.stats.kv_blocks_used,
+            "draining": int(self.draining),
+            "slot_hits": cache.slot_hits,
+            "slot_misses": cache.slot_misses,
+            "evictions": cache.evictions,
+            "loads": cache.loads,
+            "fills_ahead": cache.fills_ahead,
+        }
