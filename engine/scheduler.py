@@ -49,10 +49,12 @@ class Scheduler:
                 seq.prefilled += prefills[seq]
                 budget -= prefills[seq]
         slots_taken = False  # a request ahead found every LoRA slot busy
+        held_back = False  # a request ahead waits for a step with room for its whole prompt
         for seq in list(self.waiting):
             if self.kv.free_slots == 0 or budget == 0:
                 break
-            if not self._fits(len(seq.prompt_ids), budget):
+            if not self._fits(len(seq.prompt_ids), budget, held_back):
+                held_back = held_back or self._waits_whole(seq, budget)
                 continue
             if not self._startable(seq):
                 continue
@@ -82,19 +84,29 @@ class Scheduler:
         picked: list[Sequence] = []
         chunks_left = sum(len(s.prompt_ids) - s.prefilled for s in self.running)
         budget = max(0, self.max_num_batched_tokens - chunks_left)
+        held_back = False
         for seq in self.waiting:
             if len(picked) >= self.kv.free_slots or budget == 0:
                 break
-            if self._fits(len(seq.prompt_ids), budget):
+            if self._fits(len(seq.prompt_ids), budget, held_back):
                 picked.append(seq)
                 budget -= min(len(seq.prompt_ids), budget)
+            else:
+                held_back = held_back or len(seq.prompt_ids) <= self.max_num_batched_tokens
         return picked
 
-    def _fits(self, prompt_len: int, budget: int) -> bool:
+    def _fits(self, prompt_len: int, budget: int, held_back: bool) -> bool:
         """Whether a prompt starts with `budget` tokens left in this step: whole, or, when longer than any
         step's budget, as its first chunk. One that would fit a later step whole waits for it rather than
-        being cut (a whole prompt prefills as one captured graph on CUDA)."""
-        return prompt_len <= budget or prompt_len > self.max_num_batched_tokens
+        being cut (a whole prompt prefills as one captured graph on CUDA); once one waits so (`held_back`),
+        prompts behind it start no chunks past it, as their chunks would take the budget ahead of it step
+        after step."""
+        return prompt_len <= budget or (prompt_len > self.max_num_batched_tokens and not held_back)
+
+    def _waits_whole(self, seq: Sequence, budget: int) -> bool:
+        """Whether `seq`, refused by `_fits`, waits for a step with room for its whole prompt (and could start
+        otherwise): it then holds back the chunks of the prompts behind it."""
+        return budget < len(seq.prompt_ids) <= self.max_num_batched_tokens and self._startable(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Release everything `seq` holds; it may be waiting or running."""

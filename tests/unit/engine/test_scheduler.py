@@ -203,3 +203,18 @@ def test_a_prompt_that_fits_a_later_step_waits_for_it_rather_than_being_cut(pool
     assert scheduler.schedule() == {first: 6}
     assert second.status is SeqStatus.WAITING and second.prefilled == 0
     assert scheduler.schedule() == {second: 6}
+
+
+def test_a_prompt_waiting_for_room_is_not_passed_by_the_chunks_of_longer_ones(pool: AdapterPool) -> None:
+    """A long prompt behind one that waits for a step with room for it whole started a chunk in the budget
+    left over; then its chunks, running first, could take the budget ahead of the waiting one step after step."""
+    scheduler = _scheduler(pool, budget=10)
+    first, waits, long = _seq("first", None, 4), _seq("waits", None, 8), _seq("long", None, 30)
+    for seq in (first, waits, long):
+        scheduler.add(seq)
+    assert scheduler.upcoming() == [first]
+    assert scheduler.schedule() == {first: 4}  # 6 left: `waits` does not fit whole, `long` starts no chunk
+    assert long.status is SeqStatus.WAITING
+    assert scheduler.upcoming() == [waits, long]
+    assert scheduler.schedule() == {waits: 8, long: 2}
+    assert scheduler.schedule() == {long: 10}
