@@ -168,7 +168,8 @@ _SAMPLING: dict[str, Any] = {
     "prompt_logprobs": _unsupported({"type": "null"}, "null"),
 }
 _LOGPROBS_NOTE = (
-    "Log-probabilities of the model's raw distribution (before temperature, top_k and top_p); above "
+    "Log-probabilities of the model's raw distribution (before penalties, logit_bias, temperature, min_p, top_k "
+    "and top_p); above "
     f"{_MAX_LOGPROBS} a 400"
 )
 
