@@ -13,7 +13,7 @@ This comes before everything else the sampler does, so it changes greedy rows to
 sampler's, after temperature: engine/sampling.py). The rows are processed on the device, together, on a
 copy: the step's logits stay the model's raw distribution, which log-probabilities read (vLLM's
 `raw_logprobs`). Each step uploads the tokens to count in one integer tensor and the values in one float
-tensor, and reads nothing back.
+tensor, neither waiting for the device, and reads nothing back: an asynchronous step stays asynchronous.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class TokensInFlight(Protocol):
         ...
 
 
-def needs_processing(seq: Sequence, eos_ids: Collection[int], in_flight: bool = False) -> bool:
+def _needs_processing(seq: Sequence, eos_ids: Collection[int], in_flight: bool = False) -> bool:
     """Whether `seq`'s next logits are processed: it asks for penalties or logit_bias, or is short of its
     min_tokens (`in_flight`: one more token was generated than its output holds)."""
     p = seq.params
@@ -54,7 +54,7 @@ def process_logits(
     logits: torch.Tensor, seqs: Rows[Sequence], eos_ids: Collection[int], previous: TokensInFlight | None = None
 ) -> ProcessedRows | None:
     """The processed logits of the rows of `logits` [B, vocab] (row i: `seqs[i]`'s next token) that need it
-    (`needs_processing`), or None when none does; `logits` itself is left as it is.
+    (`_needs_processing`), or None when none does; `logits` itself is left as it is.
 
     `previous` is the step in flight, if any: each sequence it holds has generated its token there, not yet
     in `output_ids`, and that token counts as generated (read from the device, so steps stay asynchronous).
@@ -62,7 +62,7 @@ def process_logits(
     plan = _Plan()
     for i, seq in enumerate(seqs):
         pending = previous.rows.get(seq) if previous is not None else None
-        if needs_processing(seq, eos_ids, pending is not None):
+        if _needs_processing(seq, eos_ids, pending is not None):
             plan.add(i, seq, eos_ids, pending)
     if not plan.rows:
         return None
@@ -120,13 +120,16 @@ class _Plan:
         index, bias_rows, bias_tokens, end_rows, end_tokens, *counted = ints.split([len(v) for v in lists])
         floats = upload(self.biases + self.penalties, torch.float32, logits.device)
         biases, penalties = floats.split([len(self.biases), len(self.penalties)])
+        vocab = logits.shape[-1]
         out = logits.index_select(0, index).float()  # a copy: the step's own logits stay raw
-        out.index_put_((bias_rows, bias_tokens), biases, accumulate=True)
+        # Flat positions (row * vocab + token) and scatter_add / index_fill: unlike indexing with a pair of
+        # index tensors, they never wait for the device.
+        out.view(-1).scatter_add_(0, bias_rows * vocab + bias_tokens, biases)
         if self.output.rows or self.prompt.rows or self.pending.rows:  # some row is penalized
             frequency, presence, repetition = penalties.view(-1, 3).unbind(1)
             out = _penalize(out, frequency, presence, repetition, counted, in_flight)
         # Last, and absolute: after a penalty's arithmetic, -inf must stay -inf and nothing else may become it.
-        out[end_rows, end_tokens] = float("-inf")
+        out.view(-1).index_fill_(0, end_rows * vocab + end_tokens, float("-inf"))
         return ProcessedRows(self.rows, index, out)
 
 
@@ -141,14 +144,15 @@ def _penalize(
     """Repetition, frequency and presence penalties on `logits` [R, vocab]; `counted` holds the (row, token)
     pairs of the outputs, of the repetition-penalized prompts, and (row, row in flight) of tokens in flight."""
     output_rows, output_tokens, prompt_rows, prompt_tokens, pending_rows, pending_at = counted
-    counts = torch.zeros_like(logits)
-    rows, tokens = output_rows, output_tokens
+    vocab = logits.shape[-1]
+    tokens = output_rows * vocab + output_tokens
     if in_flight is not None:
-        rows, tokens = torch.cat([rows, pending_rows]), torch.cat([tokens, in_flight.index_select(0, pending_at)])
-    counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=counts.dtype), accumulate=True)
+        tokens = torch.cat([tokens, pending_rows * vocab + in_flight.index_select(0, pending_at)])
+    counts = torch.zeros_like(logits)
+    counts.view(-1).scatter_add_(0, tokens, torch.ones_like(tokens, dtype=counts.dtype))
     generated = counts > 0
     seen = generated.clone()
-    seen[prompt_rows, prompt_tokens] = True
+    seen.view(-1).index_fill_(0, prompt_rows * vocab + prompt_tokens, True)
     factor = torch.where(seen, repetition[:, None], 1.0)
     logits = torch.where(logits > 0, logits / factor, logits * factor)
     # A repetition penalty near 0 (any positive one is valid) overflows a positive logit to inf, where a

@@ -20,7 +20,7 @@ EOS = frozenset({2, 5})
 CPU = torch.device("cpu")
 
 
-def _seq(params: SamplingParams, output: list[int], prompt: list[int] | None = None) -> Sequence:
+def make_seq(params: SamplingParams, output: list[int], prompt: list[int] | None = None) -> Sequence:
     return Sequence(
         request_id=str(id(params)),
         prompt_ids=prompt if prompt is not None else [3, 9, 9, 40],
@@ -54,7 +54,7 @@ ROWS = [
 ]
 
 
-def _logits(rows: int) -> torch.Tensor:
+def make_logits(rows: int) -> torch.Tensor:
     torch.manual_seed(0)
     logits = torch.randn(rows, VOCAB) * 4
     logits[:, 9] = torch.linspace(-3.0, 3.0, rows)  # a prompt token, positive in some rows, negative in others
@@ -62,8 +62,8 @@ def _logits(rows: int) -> torch.Tensor:
 
 
 def test_many_rows_at_once_match_the_per_row_reference() -> None:
-    seqs = [_seq(p, out) for p, out in ROWS]
-    logits = _logits(len(ROWS))
+    seqs = [make_seq(p, out) for p, out in ROWS]
+    logits = make_logits(len(ROWS))
     raw = logits.clone()
     processed = process_logits(logits, seqs, EOS)
     assert processed is not None
@@ -89,7 +89,7 @@ def test_the_reference_says_what_the_interface_promises() -> None:
 
 
 @dataclass
-class _InFlight:
+class InFlightTokens:
     tokens: torch.Tensor
     rows: dict[Sequence, int] = field(default_factory=dict)
 
@@ -97,11 +97,11 @@ class _InFlight:
 @pytest.mark.parametrize("params", [_p(frequency_penalty=1.5), _p(repetition_penalty=1.7)])
 def test_a_token_in_flight_counts_as_generated(params: SamplingParams) -> None:
     """With async steps a sequence's newest token is still on the device when its next logits are processed."""
-    logits = _logits(1)
+    logits = make_logits(1)
     output = [11, 6]  # the newest token, 6 (seen nowhere else), is the one in flight
-    known = process_logits(logits, [_seq(params, output)], EOS)
-    waiting = _seq(params, output[:-1])
-    in_flight = _InFlight(torch.tensor([30, 6, 17]), {waiting: 1})  # its row in the step in flight: 1
+    known = process_logits(logits, [make_seq(params, output)], EOS)
+    waiting = make_seq(params, output[:-1])
+    in_flight = InFlightTokens(torch.tensor([30, 6, 17]), {waiting: 1})  # its row in the step in flight: 1
     pending = process_logits(logits, [waiting], EOS, in_flight)
     assert known is not None and pending is not None
     assert torch.equal(pending.logits, known.logits)
@@ -109,13 +109,13 @@ def test_a_token_in_flight_counts_as_generated(params: SamplingParams) -> None:
 
 
 def test_min_tokens_ends_its_block_when_the_token_in_flight_reaches_it() -> None:
-    waiting = _seq(_p(min_tokens=3), [8, 8])
-    assert process_logits(_logits(1), [waiting], EOS) is not None
-    assert process_logits(_logits(1), [waiting], EOS, _InFlight(torch.tensor([8]), {waiting: 0})) is None
+    waiting = make_seq(_p(min_tokens=3), [8, 8])
+    assert process_logits(make_logits(1), [waiting], EOS) is not None
+    assert process_logits(make_logits(1), [waiting], EOS, InFlightTokens(torch.tensor([8]), {waiting: 0})) is None
 
 
 def test_greedy_rows_take_the_processed_argmax() -> None:
-    logits = _logits(4)
+    logits = make_logits(4)
     top = logits.argmax(-1).tolist()
     params = [
         _p(logit_bias=((top[0], -100.0),)),  # the greedy token ruled out
@@ -124,7 +124,12 @@ def test_greedy_rows_take_the_processed_argmax() -> None:
         _p(min_tokens=1),
     ]
     logits[3, 5] = 50.0  # an end token is the greedy choice, but min_tokens holds it off
-    seqs = [_seq(params[0], []), _seq(params[1], []), _seq(params[2], [top[2]] * 20), _seq(params[3], [])]
+    seqs = [
+        make_seq(params[0], []),
+        make_seq(params[1], []),
+        make_seq(params[2], [top[2]] * 20),
+        make_seq(params[3], []),
+    ]
     processed = process_logits(logits, seqs, EOS)
     tokens = sample(logits, params, [None] * 4, processed)
     assert tokens[0] != top[0] and tokens[1] == 33 and tokens[2] != top[2] and tokens[3] not in EOS
@@ -132,14 +137,14 @@ def test_greedy_rows_take_the_processed_argmax() -> None:
 
 
 def test_sampled_rows_draw_from_the_processed_logits() -> None:
-    logits = _logits(3)
+    logits = make_logits(3)
     logits[1, 2] = 40.0  # an end token nearly certain
     params = [
         _p(temperature=1.0, seed=1, logit_bias=((17, 100.0),)),
         _p(temperature=1.0, min_tokens=8),
         _p(temperature=1.0, seed=3),  # beside them, unprocessed
     ]
-    seqs = [_seq(p, []) for p in params]
+    seqs = [make_seq(p, []) for p in params]
     processed = process_logits(logits, seqs, EOS)
     assert processed is not None and processed.rows == [0, 1]
     generators = [make_generator(p, CPU) for p in params]
@@ -162,16 +167,16 @@ def test_a_step_uploads_once_for_its_indices_and_once_for_its_values(monkeypatch
     reads: list[str] = []
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append("tolist"))
     monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append("item"))
-    seqs = [_seq(p, out) for p, out in ROWS]
-    assert process_logits(_logits(len(ROWS)), seqs, EOS) is not None
+    seqs = [make_seq(p, out) for p, out in ROWS]
+    assert process_logits(make_logits(len(ROWS)), seqs, EOS) is not None
     assert len(uploads) == 2 and reads == []
 
 
 def test_extreme_repetition_penalties_stay_finite() -> None:
     """Any positive repetition penalty is valid (vLLM's range); near 0 it overflowed positive logits to inf."""
-    logits = _logits(2)
+    logits = make_logits(2)
     logits[:, 40] = 1.0  # a prompt token, divided by 1e-45: past float32's largest value
-    seqs = [_seq(_p(repetition_penalty=1e-45, temperature=1.0), [1]), _seq(_p(repetition_penalty=3e38), [1])]
+    seqs = [make_seq(_p(repetition_penalty=1e-45, temperature=1.0), [1]), make_seq(_p(repetition_penalty=3e38), [1])]
     processed = process_logits(logits, seqs, EOS)
     assert processed is not None
     assert not processed.logits.isnan().any() and not processed.logits.isposinf().any()
