@@ -25,14 +25,15 @@ from engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from engine.eviction import DecayedFrequencyPolicy, LRUPolicy
 from engine.kv_cache import KVCache
 from engine.loader import load_weights, resolve_model
-from engine.logprobs import StepLogprobs, TokenLogprobs, read_logprobs
+from engine.logprobs import TokenLogprobs, read_logprobs
 from engine.lora import LoRAStacks
 from engine.model import DecoderModel
 from engine.pool import AdapterCacheStats, AdapterPool, AdapterVersion
-from engine.sampling import SamplingParams, make_generator, sample_tokens
+from engine.sampling import SamplingParams, make_generator
 from engine.scheduler import Scheduler
 from engine.sequence import OutputSink, RequestOutput, SeqStatus, Sequence
 from engine.step_forward import InFlight, StepForward, StepTrace
+from engine.step_sampling import sample_step
 from engine.tokenizer import IncrementalDecoder, Tokenizer
 
 log = logging.getLogger("engine")
@@ -237,7 +238,7 @@ class LLMEngine:
         if not request_id:
             raise EngineError("INVALID_ARGUMENT", "request_id must not be empty")
         try:
-            params.validate()
+            params.validate(self.arch.vocab_size)
         except ValueError as exc:
             raise EngineError("INVALID_ARGUMENT", str(exc)) from exc
         if not prompt_ids:
@@ -433,7 +434,7 @@ class LLMEngine:
             if previous is not None:
                 self._complete(previous)
             return
-        tokens, logprobs = self._sample(order, logits)
+        tokens, logprobs = sample_step(order, logits, self.tokenizer.eos_token_ids, previous)
         self.steps += 1
         self._fill_ahead()
         if self.async_steps and self.step_trace is None:  # a trace times each phase up to its own tokens
@@ -449,13 +450,6 @@ class LLMEngine:
             self.step_trace.append((tuple(trace.phases), (len(prefills), self.pool.slot_misses - trace.misses)))
         for seq, token, chosen in zip(order, values, read_logprobs(logprobs, len(order)), strict=True):
             self._append(seq, token, chosen)
-
-    def _sample(self, order: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, StepLogprobs | None]:
-        """The step's tokens, and the log-probabilities of the rows that asked for them; both stay on the device
-        (the log-probabilities on their way to host memory), to be read with the tokens."""
-        params = [s.params for s in order]
-        tokens = sample_tokens(logits, params, [s.generator for s in order])
-        return tokens, StepLogprobs.compute(logits, tokens, [p.logprobs for p in params])
 
     def _fill_ahead(self) -> None:
         """While the GPU runs the step just launched, copy the adapters of the requests next to join into
@@ -486,11 +480,13 @@ class LLMEngine:
             return
         seq.output_ids.append(token)
         self.tokens_generated += 1
-        seq.decoder.push(token)
+        added = seq.decoder.push(token)
         text = seq.decoder.text
-        if params.stop:
-            window_start = max(0, seq.emitted_chars - seq.max_stop_len)
-            hits = [i for i in (text.find(s, window_start) for s in params.stop) if i >= 0]
+        # A stop string counts where it ends in this token's text: one that ended earlier was found then, or
+        # fell within min_tokens, which holds stop strings off as it holds end tokens (vLLM's rule).
+        if params.stop and len(seq.output_ids) > params.min_tokens:
+            before = len(text) - len(added)
+            hits = [i for i in (text.find(s, max(0, before - len(s) + 1)) for s in params.stop) if i >= 0]
             if hits:
                 self._finish(seq, "stop", text_end=min(hits), new_token=token, logprobs=logprobs)
                 return

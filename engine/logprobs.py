@@ -1,7 +1,8 @@
 """Log-probabilities of sampled tokens (OpenAI's `logprobs`), for the rows of a step that asked for them.
 
-Values come from the model's raw distribution: log_softmax of the logits before temperature, top-k and top-p
-(vLLM's default `raw_logprobs` mode), so a token's logprob does not depend on how it was drawn. A step computes
+Values come from the model's raw distribution: log_softmax of the logits before logit processing (penalties,
+logit_bias, min_tokens), temperature, min-p, top-k and top-p (vLLM's default `raw_logprobs` mode), so a token's
+logprob does not depend on how it was drawn. A step computes
 them on the device in one batch over the rows that asked, and copies them to host memory without waiting; they
 are read after the step's tokens, which already waited for the device, so a step syncs no more than before.
 """

@@ -1,12 +1,16 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from engine.logprobs import MAX_LOGPROBS
+
+# OpenAI's bound on logit_bias entries per request; each bias lies within [-100, 100].
+MAX_LOGIT_BIAS = 300
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,13 +26,29 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: no log-probabilities; N: each sampled token's, with the N most likely tokens beside it (engine/logprobs.py)
     logprobs: int | None = None
+    # Logit processing before sampling, greedy included (engine/logits_processing.py): OpenAI's penalties on
+    # the tokens generated so far, vLLM's repetition penalty on those of the prompt and output (1 = off), and
+    # biases added to chosen tokens' logits as (token id, bias) pairs, each id once.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's: drop tokens less likely than min_p times the top token (sampled rows, after temperature) ...
+    min_p: float = 0.0
+    # ... and no end (end-of-sequence token, stop string) before this many tokens.
+    min_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
 
-    def validate(self) -> None:
-        """Raise ValueError naming the bad field."""
+    @property
+    def penalized(self) -> bool:
+        """Whether the tokens seen so far change this request's logits (presence, frequency, repetition)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the bad field; with `vocab_size`, logit_bias ids are checked against it."""
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
@@ -41,6 +61,31 @@ class SamplingParams:
             raise ValueError("stop must hold at most 16 non-empty strings")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be within [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be within [-2, 2], got {getattr(self, name)}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise ValueError(
+                f"repetition_penalty must be a finite number greater than 0, got {self.repetition_penalty}"
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be within [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be within [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        self._validate_logit_bias(vocab_size)
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        ids = [t for t, _ in self.logit_bias]
+        if len(set(ids)) < len(ids):
+            raise ValueError("logit_bias names a token id more than once")
+        if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be within [-100, 100]")
+        outside = sorted(t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size))
+        if outside:  # vLLM's words
+            size = f" Vocabulary size: {vocab_size}" if vocab_size is not None else ""
+            raise ValueError(f"token_id(s) {outside} in logit_bias contain out-of-vocab token ids.{size}")
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -53,28 +98,50 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return generator
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+@dataclass(frozen=True, slots=True)
+class ProcessedRows:
+    """Rows of a step's logits that logit processing changed (engine/logits_processing.py), as a copy, so that
+    the step's own logits stay the model's (log-probabilities read them): `rows` are their indices in the step,
+    `index` the same on the device, `logits` [len(rows), vocab] float32 their processed values."""
+
+    rows: list[int]
+    index: torch.Tensor
+    logits: torch.Tensor
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    processed: ProcessedRows | None = None,
+) -> list[int]:
     """`sample_tokens`, read back: the step's tokens in one device-to-host copy."""
-    return list(sample_tokens(logits, params, generators).tolist())
+    return list(sample_tokens(logits, params, generators, processed).tolist())
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    processed: ProcessedRows | None = None,
 ) -> torch.Tensor:
-    """One token per row of `logits` [B, vocab] (float32), as an int64 tensor on the logits' device.
+    """One token per row of `logits` [B, vocab] (float32), as an int64 tensor on the logits' device; the rows
+    of `processed` are drawn from its logits instead.
 
-    Greedy rows take the argmax. The other rows are tempered and cut (top-k, then top-p) together, then
+    Greedy rows take the argmax. The other rows are tempered and cut (min-p, top-k, then top-p) together, then
     each draws one uniform number, from its own generator if seeded (so that its tokens do not depend on
     its neighbours) and from torch's otherwise, and takes the token where that number falls in its
     cumulative distribution. Nothing is read back here: `sample` reads all tokens in one copy, so a GPU step
     waits once, not once per sampled row (bench/sampling.py), and an engine stepping ahead reads them later.
     """
     tokens = logits.argmax(dim=-1)
+    if processed is not None:
+        tokens = tokens.index_copy(0, processed.index, processed.logits.argmax(dim=-1))
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         device = logits.device
         index = torch.tensor(rows, device=device)
-        probs = _truncated_probs(logits.index_select(0, index), [params[i] for i in rows])
+        probs = _truncated_probs(_select(logits, rows, index, processed), [params[i] for i in rows])
         uniform = torch.rand(len(rows), dtype=torch.float64, device=device)
         for j, i in enumerate(rows):
             generator = generators[i]
@@ -89,15 +156,35 @@ def sample_tokens(
     return tokens
 
 
+def _select(
+    logits: torch.Tensor, rows: list[int], index: torch.Tensor, processed: ProcessedRows | None
+) -> torch.Tensor:
+    """The logits of `rows` (`index` on the device), those of `processed` rows taken from it."""
+    selected = logits.index_select(0, index)
+    if processed is None:
+        return selected
+    position = {row: j for j, row in enumerate(processed.rows)}
+    pairs = [(k, position[row]) for k, row in enumerate(rows) if row in position]
+    if pairs:
+        at = upload(pairs, torch.long, logits.device)
+        selected.index_copy_(0, at[:, 0], processed.logits.index_select(0, at[:, 1]).to(selected.dtype))
+    return selected
+
+
 def _truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Row-wise probabilities [R, vocab] after temperature, top-k (ties at the k-th score kept) and top-p
-    (the smallest prefix whose mass reaches top_p, always at least the top token, ties at its last token
-    kept): `reference_probs`, for many rows at once."""
+    """Row-wise probabilities [R, vocab] after temperature, min-p (tokens less likely than min_p times the top
+    one removed), top-k (ties at the k-th score kept) and top-p (the smallest prefix whose mass reaches top_p,
+    always at least the top token, ties at its last token kept): `reference_probs`, for many rows at once."""
     device, vocab = logits.device, logits.shape[-1]
     # Scores at most 0: over a tiny temperature (float32 goes down to 1e-45) logits overflowed to inf, and
     # softmax made the whole row NaN. Shifting by the row's maximum leaves softmax and the cuts unchanged.
     shifted = logits - logits.amax(dim=-1, keepdim=True)
     scores = shifted / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    if any(p.min_p > 0.0 for p in params):
+        # The top score is 0, so a token's probability over the top one's is exp(score): the min-p cut is a
+        # cut at log(min_p), with no softmax (log 0 = -inf keeps every score of a row without min-p).
+        floor = torch.tensor([p.min_p for p in params], device=device).log()[:, None]
+        scores = scores.masked_fill(scores < floor, float("-inf"))
     cut = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(cut):
         k = torch.tensor(cut, device=device)[:, None]
@@ -138,9 +225,20 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < values.gather(1, count - 1), 0.0)
 
 
+def upload(
+    values: list[int] | list[float] | list[tuple[int, int]], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """`values` on `device`, copied without a stream sync: from pageable memory CUDA stages the copy at once,
+    where a blocking copy would first wait for the work queued on the device (the step's forward pass)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Reference for one row [vocab] of `_truncated_probs`, the straightforward way (tests)."""
     scores = logits / params.temperature
+    if params.min_p > 0.0:
+        tempered = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(tempered < params.min_p * tempered.max(), float("-inf"))
     if 0 < params.top_k < scores.shape[-1]:
         scores = scores.masked_fill(scores < torch.topk(scores, params.top_k).values[-1], float("-inf"))
     probs = torch.softmax(scores, dim=-1)

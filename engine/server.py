@@ -149,6 +149,12 @@ class EngineService(pb_grpc.EngineServicer):
             stop=tuple(s.stop),
             ignore_eos=s.ignore_eos,
             logprobs=s.logprobs if s.HasField("logprobs") else None,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+            logit_bias=tuple(sorted(s.logit_bias.items())),
+            min_p=s.min_p,
+            min_tokens=s.min_tokens,
         )
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:

@@ -43,6 +43,14 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     # None: no log-probabilities; N: each token's, with the N most likely tokens at its position beside it.
     logprobs: int | None = None
+    # Logit processing (engine/logits_processing.py): OpenAI's penalties, vLLM's repetition penalty (1 = off),
+    # (token id, bias) pairs, vLLM's min_p and min_tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

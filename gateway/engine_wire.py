@@ -24,6 +24,12 @@ def generate_request(request: GatewayRequest, engine_name: str) -> pb.GenerateRe
         top_p=max(s.top_p, SMALLEST_TOP_P),
         top_k=s.top_k,
         stop=s.stop,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        logit_bias=dict(s.logit_bias),
+        min_p=s.min_p,
+        min_tokens=s.min_tokens,
     )
     if s.seed is not None:
         # Clients send int64 seeds (OpenAI's range, negatives included); the wire's uint64 takes them mod 2^64,

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocols.rest_input import _MAX_LOGPROBS, _MAX_SEED, _MAX_STOP, _MAX_TOP_K, _MIN_SEED
+from protocols.rest_input import (
+    _MAX_FLOAT32,
+    _MAX_LOGIT_BIAS,
+    _MAX_LOGPROBS,
+    _MAX_MIN_TOKENS,
+    _MAX_SEED,
+    _MAX_STOP,
+    _MAX_TOP_K,
+    _MIN_SEED,
+    _TOKEN_ID,
+)
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -108,13 +118,48 @@ _SAMPLING: dict[str, Any] = {
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     "user": {"type": "string", "description": "Also the routing key when X-Routing-Key is absent"},
-    "frequency_penalty": _unsupported({"type": "number", "const": 0}, "0"),
-    "presence_penalty": _unsupported({"type": "number", "const": 0}, "0"),
-    "logit_bias": _unsupported({"type": "object", "maxProperties": 0}, "{}"),
-    # vLLM's sampling extensions (rest_input._VLLM_NO_OPS).
-    "repetition_penalty": _unsupported({"type": "number", "const": 1}, "1"),
-    "min_p": _unsupported({"type": "number", "const": 0}, "0"),
-    "min_tokens": _unsupported({"type": "integer", "const": 0}, "0"),
+    "frequency_penalty": {
+        "type": "number",
+        "minimum": -2,
+        "maximum": 2,
+        "description": "Subtracted from a token's logit once per time it was generated (greedy too)",
+    },
+    "presence_penalty": {
+        "type": "number",
+        "minimum": -2,
+        "maximum": 2,
+        "description": "Subtracted from the logit of every token generated so far (greedy too)",
+    },
+    "logit_bias": {
+        "type": "object",
+        "maxProperties": _MAX_LOGIT_BIAS,
+        "propertyNames": {"pattern": f"^({_TOKEN_ID.pattern})$"},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        "description": "Token id -> bias added to its logit (greedy too); an id past the vocabulary is a 400",
+    },
+    # vLLM's sampling extensions.
+    "repetition_penalty": {
+        "type": "number",
+        "exclusiveMinimum": 0,
+        "maximum": _MAX_FLOAT32,
+        "description": "Extension (vLLM): tokens of the prompt or output have their logit divided by it where "
+        "positive, multiplied where negative; 1 = off",
+    },
+    "min_p": {
+        "type": "number",
+        "minimum": 0,
+        "maximum": 1,
+        "description": "Extension (vLLM): tokens less likely than min_p times the top token are dropped "
+        "(after temperature; no effect when greedy)",
+    },
+    "min_tokens": {
+        "type": "integer",
+        "minimum": 0,
+        "maximum": _MAX_MIN_TOKENS,
+        "description": "Extension (vLLM): no end-of-sequence token and no stop string before this many tokens; "
+        "at most max_tokens (a 400 otherwise)",
+    },
+    # vLLM's sampling extensions the engine has no knob for (rest_input._VLLM_NO_OPS).
     "ignore_eos": _unsupported({"type": "boolean", "const": False}, "false"),
     "stop_token_ids": _unsupported({"type": "array", "maxItems": 0}, "[]"),
     "include_stop_str_in_output": _unsupported({"type": "boolean", "const": False}, "false"),
@@ -123,7 +168,8 @@ _SAMPLING: dict[str, Any] = {
     "prompt_logprobs": _unsupported({"type": "null"}, "null"),
 }
 _LOGPROBS_NOTE = (
-    "Log-probabilities of the model's raw distribution (before temperature, top_k and top_p); above "
+    "Log-probabilities of the model's raw distribution (before penalties, logit_bias, temperature, min_p, top_k "
+    "and top_p); above "
     f"{_MAX_LOGPROBS} a 400"
 )
 
@@ -296,6 +342,17 @@ def _schemas() -> dict[str, Any]:
             },
             ("model", "prompt"),
             {"model": "base", "prompt": "Once upon a time", "max_tokens": 16},
+            more_examples=[
+                {
+                    "model": "base",
+                    "prompt": "Once upon a time",
+                    "max_tokens": 32,
+                    "frequency_penalty": 1.0,
+                    "repetition_penalty": 1.1,
+                    "min_tokens": 8,
+                    "logit_bias": {"2": -100},
+                }
+            ],
         ),
         "ChatCompletion": reply("chat.completion", _object(chat_choice, tuple(chat_choice)), chunk=False),
         "ChatCompletionChunk": reply("chat.completion.chunk", _object(chunk_choice, tuple(chunk_choice)), chunk=True),

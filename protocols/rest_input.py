@@ -1,13 +1,14 @@
 """Validation of OpenAI request bodies: JSON in, a `ParsedBody` out, or a `FieldError` naming the field.
 
 Only what the gateway can honour is accepted; anything it would silently ignore in a way that changes
-the answer (n > 1, prompt logprobs, tools, penalties, several prompts) is refused with a 400 that says so.
+the answer (n > 1, prompt logprobs, tools, guided decoding, several prompts) is refused with a 400 that says so.
 protocols/openapi.py describes exactly this; tests/unit/protocols/test_openapi.py holds the two together.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,18 +18,20 @@ from gateway.errors import GatewayError, Status
 # No "tool": tools are refused, so a tool result has no call to answer (the engine's chat template has no such role).
 _ROLES = frozenset({"system", "developer", "user", "assistant"})
 _MAX_STOP = 4
-# The engine's wire format carries top_k as uint32 and seed as uint64; OpenAI's seeds are int64, which the
-# engine client takes mod 2^64.
-_MAX_TOP_K = 2**32 - 1
+# The engine's wire format carries top_k and min_tokens as uint32, seed as uint64 (OpenAI's seeds are int64,
+# which the engine client takes mod 2^64), and repetition_penalty as float32, whose largest value bounds it.
+_MAX_TOP_K = _MAX_MIN_TOKENS = 2**32 - 1
+_MAX_FLOAT32 = 3.4028234663852886e38
 _MIN_SEED, _MAX_SEED = -(2**63), 2**64 - 1
 # The most likely tokens a request may ask for beside each sampled one: vLLM's default max_logprobs, OpenAI's
 # top_logprobs bound, and the engine's (engine/logprobs.py).
 _MAX_LOGPROBS = 20
+# OpenAI's logit_bias: at most 300 token ids, written in decimal (no leading zeros, so each names one id; nine
+# digits at most, past any vocabulary and within the wire's uint32), each biased within [-100, 100].
+_MAX_LOGIT_BIAS = 300
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,8}")
 # vLLM's extra sampling fields -> their no-op values (null is one too). top_k is honoured, its -1 ("off") included.
 _VLLM_NO_OPS: dict[str, tuple[object, ...]] = {
-    "repetition_penalty": (1, 1.0),
-    "min_p": (0, 0.0),
-    "min_tokens": (0,),
     "ignore_eos": (False,),
     "stop_token_ids": ([],),
     "include_stop_str_in_output": (False,),
@@ -152,15 +155,15 @@ def _common(
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise _bad("user must be a string", "user")
-    # No sampler knob for these: anything but the no-op value would change the answer unannounced.
-    for name in ("frequency_penalty", "presence_penalty"):
-        _no_op(body, name, f"{name} is not supported (only 0)", 0, 0.0)
-    _no_op(body, "logit_bias", "logit_bias is not supported", {})
-    # vLLM's sampling extensions, which vLLM clients send: SamplingParams has no knob for them either.
+    # vLLM's sampling extensions, which vLLM clients send, that the engine has no knob for.
     for name, accepted in _VLLM_NO_OPS.items():
         _no_op(body, name, f"{name} is not supported (a vLLM extension)", *accepted)
     temperature = _number(body, "temperature", 0.0, 2.0)
     top_p = _number(body, "top_p", 0.0, 1.0)
+    repetition_penalty = _number(body, "repetition_penalty", 0.0, _MAX_FLOAT32, above=True)
+    min_tokens = _int(body, "min_tokens", 0, _MAX_MIN_TOKENS)
+    if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
+        raise _bad(f"min_tokens must be at most max_tokens ({max_tokens}), got {min_tokens}", "min_tokens")
     sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
@@ -169,6 +172,12 @@ def _common(
         seed=_int(body, "seed", _MIN_SEED, _MAX_SEED),
         stop=_stop(body.get("stop")),
         logprobs=logprobs,
+        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0) or 0.0,
+        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0) or 0.0,
+        repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+        logit_bias=_logit_bias(body.get("logit_bias")),
+        min_p=_number(body, "min_p", 0.0, 1.0) or 0.0,
+        min_tokens=min_tokens or 0,
     )
     return ParsedBody(
         model=model,
@@ -243,18 +252,39 @@ def _logprobs_count(body: dict[str, Any], name: str) -> int | None:
     return count
 
 
-def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
+def _number(body: dict[str, Any], name: str, low: float, high: float, *, above: bool = False) -> float | None:
+    """A number within [low, high], or (`above`) within (low, high]; None when absent."""
     value = body.get(name)
-    if value is None:
-        return None
+    return None if value is None else _bounded(value, name, name, low, high, above=above)
+
+
+def _bounded(value: object, name: str, param: str, low: float, high: float, *, above: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _bad(f"{name} must be a number", name)
+        raise _bad(f"{name} must be a number", param)
     # Only floats can be NaN or infinite; math.isfinite on a JSON integer beyond float range overflows.
     if isinstance(value, float) and not math.isfinite(value):
-        raise _bad(f"{name} must be a number", name)
-    if not low <= value <= high:
-        raise _bad(f"{name} must be between {low:g} and {high:g}, got {value}", name)
+        raise _bad(f"{name} must be a number", param)
+    if not (low < value <= high if above else low <= value <= high):
+        bounds = f"greater than {low:g} and at most {high:g}" if above else f"between {low:g} and {high:g}"
+        raise _bad(f"{name} must be {bounds}, got {value}", param)
     return float(value)
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """OpenAI's token id (a decimal string) -> bias object as (id, bias) pairs; ids past the vocabulary are the
+    engine's to refuse (it knows the vocabulary)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise _bad("logit_bias must be an object mapping token ids to biases", "logit_bias")
+    if len(value) > _MAX_LOGIT_BIAS:
+        raise _bad(f"logit_bias may hold at most {_MAX_LOGIT_BIAS} token ids, got {len(value)}", "logit_bias")
+    out = []
+    for key, bias in value.items():
+        if not isinstance(key, str) or not _TOKEN_ID.fullmatch(key):
+            raise _bad(f"logit_bias keys must be token ids (integers from 0 to 999999999), got {key!r}", "logit_bias")
+        out.append((int(key), _bounded(bias, f"logit_bias[{key!r}]", "logit_bias", -100.0, 100.0)))
+    return tuple(out)
 
 
 def _stop(value: object) -> tuple[str, ...]:

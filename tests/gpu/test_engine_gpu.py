@@ -16,10 +16,12 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.loader import load_weights, resolve_model
+from engine.logits_processing import process_logits, reference_process
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 from tests.support.random_model import write_random_llama
 from tests.unit.engine.test_engine_logprobs import check_logprobs, run_recorded
+from tests.unit.engine.test_logits_processing import EOS, ROWS, InFlightTokens, make_logits, make_seq
 from tests.unit.engine.tiny import write_adapter
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -310,3 +312,66 @@ def test_logprobs_computed_on_the_device_are_those_of_each_rows_logits(engines: 
     finally:
         graphed.async_steps = False
     assert graphed.graphs.replays - replays >= 20  # the decode steps ran as graphs
+
+
+def test_penalties_bias_and_min_tokens_on_the_device_give_the_same_tokens_sync_and_async(
+    engines: tuple[LLMEngine, LLMEngine],
+) -> None:
+    """Logit processing on the GPU, with decode graphs and prefills on their own stream: each greedy token is the
+    argmax of its raw row processed by the reference (a token in flight counted, with async steps), sync and
+    async steps give the same tokens, and log-probabilities stay those of the raw rows."""
+    _, graphed = engines
+    prompts = _prompts(graphed, 4)
+    eos = graphed.tokenizer.eos_token_ids
+    assert eos
+    penalized = SamplingParams(max_tokens=24, frequency_penalty=1.5, presence_penalty=0.5, logprobs=2)
+    requests = {
+        "penalized": (prompts[0], None, penalized),
+        "repetition": (prompts[1], "r16", SamplingParams(max_tokens=24, repetition_penalty=1.3)),
+        # The end token raised by 100: it ends the reply as soon as min_tokens allows.
+        "min_tokens": (
+            prompts[2],
+            "r8-qv",
+            SamplingParams(max_tokens=24, min_tokens=9, logit_bias=((min(eos), 100.0),)),
+        ),
+        "sampled": (
+            prompts[3],
+            None,
+            SamplingParams(max_tokens=24, temperature=1.0, seed=3, min_p=0.1, frequency_penalty=1.0),
+        ),
+    }
+    tokens: dict[bool, dict[str, list[int]]] = {}
+    try:
+        for async_steps in (False, True):
+            graphed.async_steps = async_steps
+            outputs, rows = run_recorded(graphed, {f"{rid}-{async_steps}": r for rid, r in requests.items()})
+            got = {rid: [t for o in outputs[f"{rid}-{async_steps}"] for t in o.token_ids] for rid in requests}
+            for rid, (prompt, _, params) in requests.items():
+                for k, (token, row) in enumerate(zip(got[rid], rows[f"{rid}-{async_steps}"], strict=False)):
+                    if params.greedy:
+                        assert token == int(reference_process(row, params, prompt, got[rid][:k], eos).argmax())
+            check_logprobs(outputs[f"penalized-{async_steps}"], rows[f"penalized-{async_steps}"], 2)
+            last = outputs[f"min_tokens-{async_steps}"][-1]
+            assert (last.finish_reason, last.completion_tokens) == ("stop", 9)
+            tokens[async_steps] = got
+    finally:
+        graphed.async_steps = False
+    assert tokens[False] == tokens[True]
+
+
+def test_processing_a_step_never_waits_for_the_gpu() -> None:
+    """A sync while processing would make an async step wait for the forward pass it was launched behind."""
+    seqs = [make_seq(p, out[:-1]) if out else make_seq(p, out) for p, out in ROWS]
+    in_flight = InFlightTokens(torch.tensor([out[-1] for _, out in ROWS if out], device="cuda"))
+    in_flight.rows = {seq: i for i, seq in enumerate(s for s, (_, out) in zip(seqs, ROWS, strict=True) if out)}
+    logits = make_logits(len(ROWS))
+    want = process_logits(logits, [make_seq(p, out) for p, out in ROWS], EOS)
+    on_gpu = logits.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = process_logits(on_gpu, seqs, EOS, in_flight)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got is not None and want is not None and got.rows == want.rows
+    torch.testing.assert_close(got.logits.cpu(), want.logits, rtol=1e-6, atol=1e-5)

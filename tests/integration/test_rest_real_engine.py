@@ -206,6 +206,52 @@ def test_completion_logprobs_are_raw_whatever_the_temperature(client: openai.Ope
             assert "".join(logprobs.tokens) == reply.choices[0].text
 
 
+def _completion_tokens(client: openai.OpenAI, prompt: str, **sampling: Any) -> list[str]:
+    """The greedy completion of `prompt`, token by token (through logprobs)."""
+    reply = client.completions.create(model="base", prompt=prompt, temperature=0, logprobs=0, **sampling)
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None
+    return list(logprobs.tokens)
+
+
+def test_a_frequency_penalty_stops_a_greedy_completion_repeating_itself(client: openai.OpenAI) -> None:
+    plain = _completion_tokens(client, "1, 2, 3, 4,", max_tokens=24)  # " 5, 6, 7, ...": "," again and again
+    assert plain.count(",") >= 6
+    penalized = _completion_tokens(client, "1, 2, 3, 4,", max_tokens=24, frequency_penalty=2.0)
+    assert penalized.count(",") <= 3 and penalized != plain
+    assert penalized[:2] == plain[:2]  # the same until the penalty outweighs the model's preference
+
+
+def test_logit_bias_rules_out_the_greedy_token_or_forces_another(client: openai.OpenAI) -> None:
+    tokenizer = _tokenizer()
+    (paris,), (london,) = tokenizer.encode(" Paris"), tokenizer.encode(" London")
+    prompt = "The capital of France is"
+    assert _completion_tokens(client, prompt, max_tokens=3)[0] == " Paris"
+    ruled_out = _completion_tokens(client, prompt, max_tokens=3, logit_bias={str(paris): -100})
+    assert ruled_out[0] != " Paris"
+    forced = _completion_tokens(client, prompt, max_tokens=3, logit_bias={str(london): 100})
+    assert forced == [" London"] * 3  # every position, however unlikely a repetition
+    vocab = tokenizer.vocab_size
+    with pytest.raises(openai.BadRequestError, match=rf"\[{vocab}\] in logit_bias contain out-of-vocab token ids"):
+        _completion_tokens(client, prompt, max_tokens=3, logit_bias={str(vocab): 1, "5": 1})
+
+
+def test_min_tokens_keeps_a_reply_going_past_its_end(client: openai.OpenAI) -> None:
+    messages: Any = [{"role": "user", "content": PROMPT}]
+    ended = client.chat.completions.create(model="base", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage is not None
+    short = ended.usage.completion_tokens
+    assert short < 12
+    longer = client.chat.completions.create(
+        model="base", messages=messages, max_tokens=MAX_TOKENS, temperature=0, extra_body={"min_tokens": 12}
+    )
+    assert longer.usage is not None and longer.usage.completion_tokens >= 12
+    text = ended.choices[0].message.content or ""
+    assert (longer.choices[0].message.content or "").startswith(text) and len(
+        longer.choices[0].message.content or ""
+    ) > len(text)
+
+
 def test_engine_refusals_keep_their_meaning(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError, match="adapter 'kraken' not found"):
         _greedy(client, "kraken")

@@ -1,4 +1,4 @@
-"""Sampling: greedy, seeds, top-k / top-p truncation, parameter validation."""
+"""Sampling: greedy, seeds, min-p / top-k / top-p truncation, parameter validation."""
 
 from __future__ import annotations
 
@@ -68,6 +68,9 @@ CUTS = [
     SamplingParams(max_tokens=1, temperature=1.3, top_p=0.9),
     SamplingParams(max_tokens=1, temperature=0.9, top_k=50, top_p=0.8),
     SamplingParams(max_tokens=1, temperature=2.0, top_k=3000),  # top-k of the whole vocabulary: no cut
+    SamplingParams(max_tokens=1, temperature=0.8, min_p=0.1),
+    SamplingParams(max_tokens=1, temperature=1.5, min_p=0.02, top_k=40, top_p=0.9),
+    SamplingParams(max_tokens=1, temperature=1.0, min_p=1.0),  # the top token alone
 ]
 
 
@@ -81,9 +84,23 @@ def test_cuts_of_many_rows_at_once_match_the_reference() -> None:
     for row, p in enumerate(params):
         torch.testing.assert_close(together[row], reference_probs(logits[row], p), rtol=1e-6, atol=1e-7)
     assert int((together[-1] > 0).sum()) == 2694
+    kept = [int((together[row] > 0).sum()) for row in (5, 6, 7)]
+    assert 1 < kept[0] < 3000 and 1 < kept[1] <= 40 and kept[2] == 1  # each min-p row cut, not emptied
 
 
-@pytest.mark.parametrize("params", CUTS[:4])
+def test_min_p_is_relative_to_the_top_token_after_temperature() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    for temperature, min_p, kept in (
+        (1.0, 0.25, [0, 1, 2]),
+        (1.0, 0.5, [0, 1]),
+        (0.5, 0.25, [0, 1]),
+        (2.0, 0.25, [0, 1, 2, 3]),
+    ):
+        p = SamplingParams(max_tokens=1, temperature=temperature, min_p=min_p)
+        assert _truncated_probs(logits, [p])[0].nonzero().flatten().tolist() == kept, (temperature, min_p)
+
+
+@pytest.mark.parametrize("params", [*CUTS[:4], CUTS[5]])
 def test_draws_follow_the_reference_distribution(params: SamplingParams) -> None:
     torch.manual_seed(1)
     row = torch.randn(8) * 2

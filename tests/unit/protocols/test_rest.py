@@ -218,15 +218,14 @@ async def test_completion_stream_without_usage(
         ("/v1/chat/completions", _chat(stop=["ok", "\ud800"]), "stop", "unpaired surrogate"),
         # Once unchecked whenever max_completion_tokens was present.
         ("/v1/chat/completions", _chat(max_completion_tokens=5, max_tokens="x"), "max_tokens", "must be an integer"),
-        # Once silently ignored, so the answer was not what the client asked for.
-        ("/v1/chat/completions", _chat(frequency_penalty=0.5), "frequency_penalty", "not supported"),
-        (
-            "/v1/completions",
-            {"model": "base", "prompt": "x", "presence_penalty": -1},
-            "presence_penalty",
-            "not supported",
-        ),
-        ("/v1/chat/completions", _chat(logit_bias={"50256": -100}), "logit_bias", "not supported"),
+        # Once refused whatever their value; now honoured, within OpenAI's and vLLM's ranges.
+        ("/v1/chat/completions", _chat(frequency_penalty=2.5), "frequency_penalty", "between -2 and 2"),
+        ("/v1/completions", {"model": "base", "prompt": "x", "presence_penalty": -3}, "presence_penalty", "-2 and 2"),
+        ("/v1/chat/completions", _chat(logit_bias={"50256": -101}), "logit_bias", "between -100 and 100"),
+        ("/v1/chat/completions", _chat(logit_bias={"x": 1}), "logit_bias", "keys must be token ids"),
+        ("/v1/chat/completions", _chat(repetition_penalty=0), "repetition_penalty", "greater than 0"),
+        ("/v1/chat/completions", _chat(min_p=1.5), "min_p", "between 0 and 1"),
+        ("/v1/chat/completions", _chat(min_tokens=6, max_tokens=5), "min_tokens", "at most max_tokens (5)"),
         ("/v1/chat/completions", _chat(tools={}), "tools", "not supported"),
         ("/v1/chat/completions", _chat(top_logprobs=2), "top_logprobs", "needs logprobs to be true"),
         ("/v1/completions", {"model": "base", "prompt": "x", "echo": 0}, "echo", "not supported"),

@@ -1,0 +1,50 @@
+"""The gateway's sampling settings through the engine's wire format and back out of the engine's gRPC service:
+what a REST client asked for is what the engine samples with."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from engine import engine_pb2 as pb
+from engine.sampling import SamplingParams as EngineSampling
+from engine.server import EngineService
+from gateway.api import GatewayRequest, SamplingParams
+from gateway.engine_wire import generate_request
+
+
+def _engine_side(sampling: SamplingParams) -> EngineSampling:
+    wire = pb.GenerateRequest.FromString(
+        generate_request(GatewayRequest("r", "t", None, prompt="x", sampling=sampling), "").SerializeToString()
+    )
+    engine = SimpleNamespace(max_model_len=64, config=SimpleNamespace(default_max_tokens=16))
+    return EngineService(engine)._sampling(wire.sampling, 3)  # type: ignore[arg-type]
+
+
+def test_logit_processing_settings_reach_the_engine() -> None:
+    sent = SamplingParams(
+        max_tokens=9,
+        presence_penalty=-1.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.25,
+        logit_bias=((50256, -100.0), (3, 0.5)),
+        min_p=0.25,
+        min_tokens=4,
+    )
+    got = _engine_side(sent)
+    assert (got.presence_penalty, got.frequency_penalty, got.repetition_penalty) == (-1.5, 0.5, 1.25)
+    assert got.logit_bias == ((3, 0.5), (50256, -100.0))  # ordered by id
+    assert (got.min_p, got.min_tokens, got.max_tokens) == (0.25, 4, 9)
+    got.validate(vocab_size=50257)
+
+
+def test_defaults_are_the_engines_no_ops() -> None:
+    got = _engine_side(SamplingParams())
+    assert (got.presence_penalty, got.frequency_penalty, got.repetition_penalty, got.logit_bias) == (0, 0, 1, ())
+    assert (got.min_p, got.min_tokens) == (0, 0)
+    # A wire message without the field (a client of the engine's gRPC API that never heard of it) means 1.
+    engine = SimpleNamespace(max_model_len=64, config=SimpleNamespace(default_max_tokens=16))
+    assert EngineService(engine)._sampling(pb.SamplingParams(), 3).repetition_penalty == 1.0  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        EngineService(engine)._sampling(pb.SamplingParams(repetition_penalty=0.0), 3).validate()  # type: ignore[arg-type]
