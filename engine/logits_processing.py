@@ -25,8 +25,9 @@ from typing import Protocol
 
 import torch
 
-from engine.sampling import ProcessedRows, SamplingParams, upload
+from engine.sampling import ProcessedRows, SamplingParams
 from engine.sequence import Sequence
+from engine.uploads import upload
 
 
 class TokensInFlight(Protocol):

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.uploads import upload
+
 # The most likely tokens a request may ask for beside each sampled one: vLLM's default max_logprobs, and the
 # top of OpenAI's top_logprobs range.
 MAX_LOGPROBS = 20
@@ -52,7 +54,7 @@ class StepLogprobs:
             return None
         counts = [int(wanted[i] or 0) for i in rows]
         if len(rows) < logits.shape[0]:
-            index = torch.tensor(rows, device=logits.device)
+            index = upload(rows, torch.long, logits.device)
             logits, tokens = logits.index_select(0, index), tokens.index_select(0, index)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         values = logprobs.gather(1, tokens.long()[:, None])

@@ -13,6 +13,7 @@ import torch
 from engine import kernels
 from engine.lora import PROJECTION_GROUPS, LoRAStacks
 from engine.lora_plan import SegmentPlan, plan_segments
+from engine.uploads import upload
 
 
 class LoRABatch:
@@ -20,7 +21,7 @@ class LoRABatch:
 
     def __init__(self, stacks: LoRAStacks, token_slots: list[int], device: torch.device) -> None:
         self.stacks = stacks
-        self.token_slots = torch.tensor(token_slots, dtype=torch.int32, device=device)
+        self.token_slots = upload(token_slots, torch.int32, device)
         groups: dict[int, list[int]] = {}
         for t, s in enumerate(token_slots):
             if s >= 0:
@@ -220,6 +221,6 @@ class _Segment:
             rank=stacks.slot_ranks[slot],
             scaling=stacks.slot_scalings[slot],
             modules=stacks.slot_modules[slot],
-            rows=torch.tensor(rows, dtype=torch.long, device=device),
+            rows=upload(rows, torch.long, device),
             span=(rows[0], rows[-1] + 1) if contiguous else None,
         )

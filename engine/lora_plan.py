@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.uploads import upload
+
 
 @dataclass(frozen=True, slots=True)
 class SegmentPlan:
@@ -85,13 +87,10 @@ def plan_segments(
     order.extend([0] * (len(slots) - len(order)))  # -1 tokens: never referenced by a chunk
     chunks.extend([(0, 0, 0, 0)] * (total - real))
 
-    def upload(values: list[int] | list[tuple[int, int, int, int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
-
     return SegmentPlan(
-        token_order=upload(order),
-        chunks=upload(chunks),
-        num_real=upload([real]),
+        token_order=upload(order, torch.int32, device),
+        chunks=upload(chunks, torch.int32, device),
+        num_real=upload([real], torch.int32, device),
         block_m=block_m,
         num_tokens=len(slots),
         num_chunks=total,

@@ -17,6 +17,7 @@ from torch import nn
 from engine.config import ModelArch
 from engine.kv_cache import KVCache
 from engine.lora_batch import LoRABatch
+from engine.uploads import upload
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +43,11 @@ class DecodeView:
     def of(seqs: list[SeqSlice], device: torch.device) -> DecodeView | None:
         if len(seqs) < 2 or any(s.length != 1 for s in seqs):
             return None
-        lengths = torch.tensor([s.context_len for s in seqs], device=device)
+        lengths = upload([s.context_len for s in seqs], torch.long, device)
         max_len = max(s.context_len for s in seqs)
         mask = torch.arange(max_len, device=device)[None, :] < lengths[:, None]
         return DecodeView(
-            slots=torch.tensor([s.kv_slot for s in seqs], device=device),
+            slots=upload([s.kv_slot for s in seqs], torch.long, device),
             positions=lengths - 1,
             mask=mask[:, None, None, :],
             max_len=max_len,
@@ -391,7 +392,7 @@ class DecoderModel(nn.Module):
         """Logits [len(seqs), vocab] for the last token of every sequence in the step."""
         decode = DecodeView.of(seqs, input_ids.device)
         x = self._layers(input_ids, positions, seqs, kv, lora, decode)
-        last = torch.tensor([s.start + s.length - 1 for s in seqs], device=x.device)
+        last = upload([s.start + s.length - 1 for s in seqs], torch.long, x.device)
         return self._logits(x.index_select(0, last))
 
     @torch.inference_mode()

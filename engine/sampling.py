@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.logprobs import MAX_LOGPROBS
+from engine.uploads import upload
 
 # OpenAI's bound on logit_bias entries per request; each bias lies within [-100, 100].
 MAX_LOGIT_BIAS = 300
@@ -140,7 +141,7 @@ def sample_tokens(
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         device = logits.device
-        index = torch.tensor(rows, device=device)
+        index = upload(rows, torch.long, device)
         probs = _truncated_probs(_select(logits, rows, index, processed), [params[i] for i in rows])
         uniform = torch.rand(len(rows), dtype=torch.float64, device=device)
         for j, i in enumerate(rows):
@@ -179,23 +180,23 @@ def _truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     # Scores at most 0: over a tiny temperature (float32 goes down to 1e-45) logits overflowed to inf, and
     # softmax made the whole row NaN. Shifting by the row's maximum leaves softmax and the cuts unchanged.
     shifted = logits - logits.amax(dim=-1, keepdim=True)
-    scores = shifted / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    scores = shifted / upload([p.temperature for p in params], torch.float32, device)[:, None]
     if any(p.min_p > 0.0 for p in params):
         # The top score is 0, so a token's probability over the top one's is exp(score): the min-p cut is a
         # cut at log(min_p), with no softmax (log 0 = -inf keeps every score of a row without min-p).
-        floor = torch.tensor([p.min_p for p in params], device=device).log()[:, None]
+        floor = upload([p.min_p for p in params], torch.float32, device).log()[:, None]
         scores = scores.masked_fill(scores < floor, float("-inf"))
     cut = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(cut):
-        k = torch.tensor(cut, device=device)[:, None]
+        k = upload(cut, torch.long, device)[:, None]
         kth = scores.topk(max(cut), dim=-1).values.gather(1, (k - 1).clamp(min=0))
         kth = torch.where(k > 0, kth, float("-inf"))  # rows without top-k keep every score
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if nucleus:
-        rows = torch.tensor(nucleus, device=device)
-        top_p = torch.tensor([params[i].top_p for i in nucleus], device=device)[:, None]
+        rows = upload(nucleus, torch.long, device)
+        top_p = upload([params[i].top_p for i in nucleus], torch.float32, device)[:, None]
         probs = probs.index_copy(0, rows, _nucleus(probs.index_select(0, rows), top_p))
     return probs
 
@@ -223,14 +224,6 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     # row's tokens changed with the neighbours that made it sort whole (ties are common in bfloat16 logits).
     count = (values.cumsum(-1) - values < top_p).sum(-1, keepdim=True)  # at least 1: the top token
     return probs.masked_fill(probs < values.gather(1, count - 1), 0.0)
-
-
-def upload(
-    values: list[int] | list[float] | list[tuple[int, int]], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """`values` on `device`, copied without a stream sync: from pageable memory CUDA stages the copy at once,
-    where a blocking copy would first wait for the work queued on the device (the step's forward pass)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

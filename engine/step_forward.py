@@ -20,6 +20,7 @@ from engine.lora import LoRAStacks
 from engine.lora_batch import LoRABatch
 from engine.model import DecoderModel, SeqSlice
 from engine.sequence import Sequence
+from engine.uploads import upload
 
 
 @dataclass(eq=False)
@@ -140,7 +141,7 @@ class StepForward:
             logits = self._forward_eager(eager, prefills, previous)
             if len(ends) < len(eager):  # drop the rows of chunks short of their prompt's end
                 keep = [i for i, s in enumerate(eager) if s in ends]
-                logits = logits.index_select(0, torch.tensor(keep, dtype=torch.long, device=logits.device))
+                logits = logits.index_select(0, upload(keep, torch.long, logits.device))
             order, parts = order + ends, [*parts, logits]
         if trace:
             trace.mark()
@@ -155,7 +156,7 @@ class StepForward:
         while the step that sampled it is in flight (one position further then)."""
         if previous is None:
             return [s.output_ids[-1] for s in seqs], [s.context_len - 1 for s in seqs]
-        index = torch.tensor([previous.rows[s] for s in seqs], dtype=torch.long, device=self.device)
+        index = upload([previous.rows[s] for s in seqs], torch.long, self.device)
         return previous.tokens.index_select(0, index), [s.context_len for s in seqs]
 
     def _decode_graphed(self, seqs: list[Sequence], previous: InFlight | None) -> torch.Tensor | None:
@@ -188,8 +189,8 @@ class StepForward:
                 slices.append(SeqSlice(seq.kv_slot, start, 1, decode_positions[i] + 1))
             token_slots.extend([seq.lora_slot] * (len(input_ids) - start))
         dev = self.device
-        ids = torch.tensor(input_ids, device=dev)
+        ids = upload(input_ids, torch.long, dev)
         if isinstance(decode_ids, torch.Tensor) and decode_rows:  # tokens of the step in flight, on the device
-            ids.index_copy_(0, torch.tensor(decode_rows, device=dev), decode_ids.to(ids.dtype))
+            ids.index_copy_(0, upload(decode_rows, torch.long, dev), decode_ids.to(ids.dtype))
         lora = LoRABatch.build(self.stacks, token_slots, dev)
-        return self.model(ids, torch.tensor(positions, device=dev), slices, self.kv, lora)
+        return self.model(ids, upload(positions, torch.long, dev), slices, self.kv, lora)

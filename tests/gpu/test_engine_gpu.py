@@ -17,8 +17,10 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.loader import load_weights, resolve_model
 from engine.logits_processing import process_logits, reference_process
-from engine.sampling import SamplingParams
+from engine.logprobs import StepLogprobs
+from engine.sampling import SamplingParams, make_generator, sample_tokens
 from engine.sequence import RequestOutput
+from engine.step_forward import InFlight
 from tests.support.random_model import write_random_llama
 from tests.unit.engine.test_engine_logprobs import check_logprobs, run_recorded
 from tests.unit.engine.test_logits_processing import EOS, ROWS, InFlightTokens, make_logits, make_seq
@@ -375,3 +377,34 @@ def test_processing_a_step_never_waits_for_the_gpu() -> None:
         torch.cuda.set_sync_debug_mode("default")
     assert got is not None and want is not None and got.rows == want.rows
     torch.testing.assert_close(got.logits.cpu(), want.logits, rtol=1e-6, atol=1e-5)
+
+
+def test_sampling_logprobs_and_inputs_of_a_step_in_flight_never_wait_for_the_gpu(
+    engines: tuple[LLMEngine, LLMEngine],
+) -> None:
+    """A blocking upload (`torch.tensor(values, device="cuda")`) waits for all the work queued before it: an
+    engine stepping ahead lost its overlap to the sampled rows' cuts, the logprob rows and the decode inputs read
+    from the step in flight, each uploaded that way."""
+    _, graphed = engines
+    cuda = torch.device("cuda")
+    params = [
+        SamplingParams(max_tokens=4),
+        SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9),
+        SamplingParams(max_tokens=4, temperature=1.0, top_k=5, min_p=0.05),
+        SamplingParams(max_tokens=4, temperature=0.7, seed=3),
+    ]
+    generators = [make_generator(p, cuda) for p in params]
+    logits = make_logits(len(params)).to(cuda)
+    seqs = [make_seq(p, [1, 2]) for p in params]
+    previous = InFlight.launch(seqs, torch.tensor([5, 6, 7, 8], device=cuda))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = sample_tokens(logits, params, generators)
+        logprobs = StepLogprobs.compute(logits, tokens, [None, 3, None, 0])
+        ids, positions = graphed.forward._decode_inputs(seqs[1:3], previous)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert logprobs is not None and logprobs.rows == [1, 3]
+    assert isinstance(ids, torch.Tensor) and ids.tolist() == [6, 7] and positions == [6, 6]
+    assert tokens[0].item() == logits[0].argmax().item()
