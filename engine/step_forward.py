@@ -137,12 +137,11 @@ class StepForward:
         if trace:
             trace.mark()
         if eager:
-            ends = [s for s in eager if s.prefill_done]
             logits = self._forward_eager(eager, prefills, previous)
-            if len(ends) < len(eager):  # drop the rows of chunks short of their prompt's end
-                keep = [i for i, s in enumerate(eager) if s in ends]
+            keep = [i for i, s in enumerate(eager) if s.prefill_done]
+            if len(keep) < len(eager):  # drop the rows of chunks short of their prompt's end
                 logits = logits.index_select(0, upload(keep, torch.long, logits.device))
-            order, parts = order + ends, [*parts, logits]
+            order, parts = order + [eager[i] for i in keep], [*parts, logits]
         if trace:
             trace.mark()
         if not parts:

@@ -20,6 +20,7 @@ class Tokenizer:
 
     def __init__(self, source: ModelSource) -> None:
         from transformers import AutoTokenizer
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
 
         # transformers logs a conversion notice for every GGUF tokenizer; it is noise in our logs.
         logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -44,6 +45,8 @@ class Tokenizer:
         self._special = frozenset(int(i) for i in self._tok.added_tokens_decoder)
         decoder = repr(self.backend.decoder)
         self._byte_level = decoder.startswith("ByteLevel")
+        # GPT-2's byte-level BPE alphabet read backwards: the byte each vocabulary character stands for.
+        self._byte_of_char = {char: byte for byte, char in bytes_to_unicode().items()} if self._byte_level else {}
         self._byte_fallback = "ByteFallback" in decoder
         self._pieces: dict[int, tuple[str, bytes]] = {}
 
@@ -97,23 +100,14 @@ class Tokenizer:
             return b""
         if token_id in self._special:
             return str(piece).encode()
-        if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
-            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if self._byte_level and all(c in self._byte_of_char for c in piece):
+            return bytes(self._byte_of_char[c] for c in piece)
         if self._byte_fallback:  # SentencePiece: "<0xE2>" is one byte, "▁" a space
             byte = _BYTE_PIECE.fullmatch(piece)
             return bytes([int(byte[1], 16)]) if byte else piece.replace("\u2581", " ").encode()
         return str(self._tok.decode([token_id])).encode()
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet, read backwards: the byte each vocabulary character stands for. Printable
-    Latin-1 bytes stand for themselves; the others, in order, for the characters from U+0100 on."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    moved = [b for b in range(256) if b not in kept]
-    return {chr(b): b for b in kept} | {chr(256 + i): b for i, b in enumerate(moved)}
-
-
-_BYTE_OF_CHAR = _byte_level_alphabet()
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
