@@ -86,8 +86,16 @@ def main() -> None:
     )
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-adapters-"))
+    # Prefix caching off: every run repeats its prompts, which transformers + peft prefill each time.
     engine = LLMEngine(
-        EngineConfig(max_num_seqs=32, max_model_len=256, max_num_batched_tokens=4096, lora_slots=8, max_lora_rank=16)
+        EngineConfig(
+            max_num_seqs=32,
+            max_model_len=256,
+            max_num_batched_tokens=4096,
+            lora_slots=8,
+            max_lora_rank=16,
+            prefix_caching="off",
+        )
     )
     paths = {}
     for i in range(8):

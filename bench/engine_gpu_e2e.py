@@ -122,6 +122,8 @@ class Bench:
             max_model_len=512,
             lora_slots=8,
             max_lora_rank=16,
+            # The sections time prefills and loads with prompts they repeat: off, as in the figures of record.
+            prefix_caching="off",
         )
         settings.update(overrides)
         return LLMEngine(EngineConfig(**settings))  # type: ignore[arg-type]

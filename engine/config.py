@@ -23,6 +23,10 @@ class EngineConfig:
     # the running requests decode between them (lower it to bound the pause a long prompt puts in their
     # streams; a whole prompt is one captured graph on CUDA, a chunk of a longer one runs eagerly).
     max_num_batched_tokens: int = 4096
+    # on: a request whose prompt starts with tokens a KV row holds (a shared system prompt, an earlier turn of
+    # the chat, under the same adapter) prefills only the rest (engine/prefix_cache.py), as vLLM's automatic
+    # prefix caching. On CUDA such a prefill runs eagerly, not as a captured graph.
+    prefix_caching: str = "on"
     max_waiting: int = 512  # admitted requests not yet running; beyond -> RESOURCE_EXHAUSTED
     lora_slots: int = 8  # adapters usable in one batch (stacked weights)
     max_lora_rank: int = 32
@@ -95,6 +99,8 @@ class EngineConfig:
             raise ValueError(f"adapter_loader must be auto, thread or process, got {self.adapter_loader!r}")
         if self.adapter_eviction not in ("frequency", "lru"):
             raise ValueError(f"adapter_eviction must be frequency or lru, got {self.adapter_eviction!r}")
+        if self.prefix_caching not in ("on", "off"):
+            raise ValueError(f"prefix_caching must be on or off, got {self.prefix_caching!r}")
         if self.async_steps not in ("on", "off"):
             raise ValueError(f"async_steps must be on or off, got {self.async_steps!r}")
         if self.fold_lora_shrinks not in ("on", "off"):

@@ -29,6 +29,7 @@ from engine.logprobs import TokenLogprobs, read_logprobs
 from engine.lora import LoRAStacks
 from engine.model import DecoderModel
 from engine.pool import AdapterCacheStats, AdapterPool, AdapterVersion
+from engine.prefix_cache import PrefixCache
 from engine.sampling import SamplingParams, make_generator
 from engine.scheduler import Scheduler
 from engine.sequence import OutputSink, RequestOutput, SeqStatus, Sequence
@@ -66,6 +67,9 @@ class EngineStats:
     steps: int
     tokens_generated: int
     adapter_cache: AdapterCacheStats
+    # Prompt tokens of the requests admitted so far, and those of them read from the prefix cache.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class LLMEngine:
@@ -101,7 +105,8 @@ class LLMEngine:
         loader, self._arena = make_loader(config, self.device, self.dtype, self.stacks.layout)
         self.pool = AdapterPool(arch, self.stacks, self.dtype, config.host_adapter_cache, eviction, loader, self._arena)
         self.pool.on_loaded.append(self._wake)
-        self.scheduler = Scheduler(self.kv, self.pool, config.max_num_batched_tokens)
+        self.prefix_cache = PrefixCache(self.kv, enabled=config.prefix_caching == "on")
+        self.scheduler = Scheduler(self.kv, self.pool, config.max_num_batched_tokens, self.prefix_cache)
         graphs: DecodeGraphs | None = None
         prefill_graphs: PrefillGraphs | None = None
         prefill_stream: torch.cuda.Stream | None = None
@@ -322,6 +327,8 @@ class LLMEngine:
             steps=self.steps,
             tokens_generated=self.tokens_generated,
             adapter_cache=self.pool.cache_stats(),
+            prefix_cache_queries=self.prefix_cache.queried_tokens,
+            prefix_cache_hits=self.prefix_cache.hit_tokens,
         )
 
     # -- engine thread -----------------------------------------------------------------------------
@@ -376,7 +383,7 @@ class LLMEngine:
             except Exception:
                 log.exception("could not end request %s", seq.request_id)
                 if seq.status is not SeqStatus.FINISHED:
-                    self.scheduler.finish(seq)
+                    self.scheduler.finish(seq, keep_kv=False)
                 with self._lock:
                     self._live.pop(seq.request_id, None)
 
@@ -513,7 +520,7 @@ class LLMEngine:
     ) -> None:
         if seq.status is SeqStatus.FINISHED:
             return
-        self.scheduler.finish(seq)
+        self.scheduler.finish(seq, keep_kv=reason != "error")  # an error may have left its row half written
         with self._lock:
             self._live.pop(seq.request_id, None)
         text = seq.decoder.text if text_end is None else seq.decoder.text[:text_end]
@@ -529,5 +536,6 @@ class LLMEngine:
                 len(seq.output_ids),
                 error=error,
                 logprobs=() if logprobs is None else (logprobs,),
+                cached_tokens=seq.cached_tokens,
             )
         )

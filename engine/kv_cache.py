@@ -24,6 +24,7 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
         self.max_len = max_len
         self._free = list(range(slots - 1, -1, -1))
+        self._free_set = set(self._free)
         self.total = slots
         self.scratch_slot = slots
 
@@ -41,7 +42,28 @@ class KVCache:
 
     def allocate(self) -> int | None:
         """A free slot, or None when every slot holds a running request."""
-        return self._free.pop() if self._free else None
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._free_set.discard(slot)
+        return slot
+
+    def take(self, slot: int) -> None:
+        """Hand out this free slot (prefix caching picks which)."""
+        self._free.remove(slot)
+        self._free_set.discard(slot)
 
     def release(self, slot: int) -> None:
         self._free.append(slot)
+        self._free_set.add(slot)
+
+    def free_set(self) -> set[int]:
+        """The free slots (do not modify)."""
+        return self._free_set
+
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        """Copy the keys and values of positions [0, length) of slot `source` into slot `target`, on the current
+        stream (after the steps that wrote them, before the step that reads them)."""
+        for cache in (self.k, self.v):
+            for layer in cache:
+                layer[target, :, :length].copy_(layer[source, :, :length])

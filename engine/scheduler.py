@@ -9,18 +9,25 @@ prefill. Chunks of prompts already running come first, then new requests.
 A waiting request whose adapter is still loading is skipped, never blocking the requests behind it; it
 joins at the first step after its weights are ready. One that finds every LoRA slot busy does hold back the
 adapter requests behind it, so that the slots drain to it in turn.
+
+With prefix caching (`engine/prefix_cache.py`) a request whose prompt starts with tokens a KV row already
+holds starts past them: only the rest of its prompt counts against the budget and is prefilled.
 """
 
 from __future__ import annotations
 
 from engine.kv_cache import KVCache
 from engine.pool import AdapterPool
+from engine.prefix_cache import PrefixCache, adapter_id
 from engine.sequence import SeqStatus, Sequence
 
 
 class Scheduler:
-    def __init__(self, kv: KVCache, pool: AdapterPool, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, kv: KVCache, pool: AdapterPool, max_num_batched_tokens: int, prefix: PrefixCache | None = None
+    ) -> None:
         self.kv, self.pool = kv, pool
+        self.prefix = prefix if prefix is not None else PrefixCache(kv, enabled=False)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -42,6 +49,7 @@ class Scheduler:
         for a later chunk."""
         prefills: dict[Sequence, int] = {}
         budget = self.max_num_batched_tokens
+        self.prefix.record_running(self.running)  # what the steps launched so far wrote
         for seq in self.running:
             left = len(seq.prompt_ids) - seq.prefilled
             if left > 0 and budget > 0:
@@ -53,8 +61,10 @@ class Scheduler:
         for seq in list(self.waiting):
             if self.kv.free_slots == 0 or budget == 0:
                 break
-            if not self._fits(len(seq.prompt_ids), budget, held_back):
-                held_back = held_back or self._waits_whole(seq, budget)
+            hit = self.prefix.lookup(seq)
+            left = len(seq.prompt_ids) - hit.tokens  # prompt tokens to prefill
+            if not self._fits(left, budget, held_back):
+                held_back = held_back or self._waits_whole(seq, left, budget)
                 continue
             if not self._startable(seq):
                 continue
@@ -68,13 +78,16 @@ class Scheduler:
                     slots_taken = slots_taken or not (seq.adapter.retired or seq.adapter.weights is None)
                     continue
                 seq.lora_slot = slot
-            kv_slot = self.kv.allocate()
-            assert kv_slot is not None
-            seq.kv_slot = kv_slot
+            if hit.adapter != adapter_id(seq):  # swapped to a new version since the lookup: its own keys
+                hit = self.prefix.lookup(seq)
+                left = len(seq.prompt_ids) - hit.tokens
+            seq.kv_slot = self.prefix.take(seq, hit)
             seq.status = SeqStatus.RUNNING
             self.waiting.remove(seq)
             self.running.append(seq)
-            prefills[seq] = seq.prefilled = min(len(seq.prompt_ids), budget)
+            prefills[seq] = min(left, budget)
+            seq.cached_tokens = hit.tokens
+            seq.prefilled = hit.tokens + prefills[seq]
             budget -= prefills[seq]
         return prefills
 
@@ -88,35 +101,39 @@ class Scheduler:
         for seq in self.waiting:
             if len(picked) >= self.kv.free_slots or budget == 0:
                 break
-            if self._fits(len(seq.prompt_ids), budget, held_back):
+            left = len(seq.prompt_ids) - self.prefix.lookup(seq).tokens
+            if self._fits(left, budget, held_back):
                 picked.append(seq)
-                budget -= min(len(seq.prompt_ids), budget)
+                budget -= min(left, budget)
             else:
-                held_back = held_back or len(seq.prompt_ids) <= self.max_num_batched_tokens
+                held_back = held_back or left <= self.max_num_batched_tokens
         return picked
 
     def _fits(self, prompt_len: int, budget: int, held_back: bool) -> bool:
-        """Whether a prompt starts with `budget` tokens left in this step: whole, or, when longer than any
+        """Whether a prompt (its `prompt_len` tokens to prefill) starts with `budget` tokens left in this step:
+        whole, or, when longer than any
         step's budget, as its first chunk. One that would fit a later step whole waits for it rather than
         being cut (a whole prompt prefills as one captured graph on CUDA); once one waits so (`held_back`),
         prompts behind it start no chunks past it, as their chunks would take the budget ahead of it step
         after step."""
         return prompt_len <= budget or (prompt_len > self.max_num_batched_tokens and not held_back)
 
-    def _waits_whole(self, seq: Sequence, budget: int) -> bool:
-        """Whether `seq`, refused by `_fits`, waits for a step with room for its whole prompt (and could start
-        otherwise): it then holds back the chunks of the prompts behind it."""
-        return budget < len(seq.prompt_ids) <= self.max_num_batched_tokens and self._startable(seq)
+    def _waits_whole(self, seq: Sequence, left: int, budget: int) -> bool:
+        """Whether `seq`, refused by `_fits`, waits for a step with room for its whole prompt (`left` tokens to
+        prefill) and could start otherwise: it then holds back the chunks of the prompts behind it."""
+        return budget < left <= self.max_num_batched_tokens and self._startable(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Release everything `seq` holds; it may be waiting or running."""
+    def finish(self, seq: Sequence, keep_kv: bool = True) -> None:
+        """Release everything `seq` holds; it may be waiting or running. Its KV row stays cached for later
+        prompts (prefix caching) unless not `keep_kv` (its step failed)."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
-            self.kv.release(seq.kv_slot)
+            self.prefix.release(seq, keep_kv)
             if seq.adapter is not None:
                 self.pool.release(seq.adapter, len(seq.output_ids))
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+            self.prefix.forget(seq)
             if seq.adapter is not None and all(s.adapter is not seq.adapter for s in self.waiting):
                 self.pool.unwanted(seq.adapter)  # aborted or failed while it waited: nobody waits for it now
         seq.status = SeqStatus.FINISHED

@@ -32,6 +32,7 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of prefilled
     # One per entry of `token_ids` when the request asked for log-probabilities, else empty.
     logprobs: tuple[TokenLogprobs, ...] = ()
 
@@ -54,6 +55,7 @@ class Sequence:
     kv_slot: int = -1
     lora_slot: int = -1
     prefilled: int = 0  # prompt tokens in the KV cache (a long prompt is prefilled in chunks)
+    cached_tokens: int = 0  # of those, read from the prefix cache (`engine/prefix_cache.py`)
     output_ids: list[int] = field(default_factory=list)
     emitted_chars: int = 0
     aborted: bool = False

@@ -77,7 +77,11 @@ class EngineService(pb_grpc.EngineServicer):
                 usage = None
                 if out.finish_reason is not None:
                     finished = True
-                    usage = pb.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)
+                    usage = pb.Usage(
+                        prompt_tokens=out.prompt_tokens,
+                        completion_tokens=out.completion_tokens,
+                        cached_tokens=out.cached_tokens,
+                    )
                 yield pb.GenerateResponse(
                     request_id=request_id,
                     text=out.text,
@@ -205,6 +209,8 @@ class EngineService(pb_grpc.EngineServicer):
                 fills_ahead=s.adapter_cache.fills_ahead,
             ),
             draining=e.draining,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
         )
 
 

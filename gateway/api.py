@@ -80,6 +80,7 @@ class GatewayRequest:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens the engine read from its prefix cache instead of prefilling
 
     @property
     def total_tokens(self) -> int:

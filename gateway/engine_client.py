@@ -217,7 +217,7 @@ class EnginePool:
                     usage = response.usage
                     yield Done(
                         response.finish_reason,
-                        Usage(usage.prompt_tokens, usage.completion_tokens),
+                        Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens),
                         adapter.version if adapter is not None else None,
                     )
                     return

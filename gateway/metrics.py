@@ -74,6 +74,20 @@ _ENGINE_INSTRUMENTS: tuple[tuple[str, str, str, str, str], ...] = (
         "1",
         "Slot fills done while the step before the request ran",
     ),
+    (
+        "adaptergate.engine.prefix_cache_queries",
+        "prefix_cache_queries",
+        "counter",
+        "{token}",
+        "Prompt tokens of the requests the replica admitted",
+    ),
+    (
+        "adaptergate.engine.prefix_cache_hits",
+        "prefix_cache_hits",
+        "counter",
+        "{token}",
+        "Prompt tokens read from the replica's prefix cache instead of prefilled",
+    ),
 )
 EngineStatsFn = Callable[[], Mapping[str, Mapping[str, int]]]
 

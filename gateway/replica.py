@@ -77,4 +77,6 @@ class Replica:
             "evictions": cache.evictions,
             "loads": cache.loads,
             "fills_ahead": cache.fills_ahead,
+            "prefix_cache_queries": self.stats.prefix_cache_queries,
+            "prefix_cache_hits": self.stats.prefix_cache_hits,
         }

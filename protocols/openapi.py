@@ -201,6 +201,10 @@ _PUBLIC: list[dict[str, list[str]]] = []  # security: none
 def _schemas() -> dict[str, Any]:
     usage = _object({k: {"type": "integer"} for k in ("prompt_tokens", "completion_tokens", "total_tokens")})
     usage["required"] = list(usage["properties"])
+    usage["properties"]["prompt_tokens_details"] = _object(
+        {"cached_tokens": {"type": "integer", "description": "Prompt tokens read from the engine's prefix cache"}},
+        ("cached_tokens",),
+    )
     finish = {"type": "string", "enum": ["stop", "length"]}
     text_part = _object({"type": {"const": "text"}, "text": {"type": "string"}}, ("type", "text"))
     message = _object(

@@ -195,10 +195,12 @@ def event_error(event: Error, request_id: str) -> web.Response:
     )
 
 
-def _usage(done: Done) -> dict[str, int]:
+def _usage(done: Done) -> dict[str, Any]:
     u = done.usage
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
+        # OpenAI's prompt caching report: the prompt tokens the engine's prefix cache held.
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }

@@ -56,7 +56,11 @@ def adapter_dirs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     return dirs
 
 
-def _engine(model_dir: Path, *, eager: bool, dtype: str = "float32", lora_gemm: str = "on") -> LLMEngine:
+def _engine(
+    model_dir: Path, *, eager: bool, dtype: str = "float32", lora_gemm: str = "on", prefix_caching: str = "off"
+) -> LLMEngine:
+    # Prefix caching off unless asked: these tests share prompts, and a cached start runs the rest of a prompt
+    # eagerly instead of in the prefill graph they test.
     config = EngineConfig(
         model=str(model_dir),
         device="cuda",
@@ -68,6 +72,7 @@ def _engine(model_dir: Path, *, eager: bool, dtype: str = "float32", lora_gemm: 
         max_lora_rank=16,
         enforce_eager=eager,
         lora_gemm=lora_gemm,
+        prefix_caching=prefix_caching,
     )
     return LLMEngine(config)
 
@@ -237,6 +242,30 @@ def test_prompts_prefilled_in_chunks_beside_graphed_decodes_match_whole_eager_pr
         assert _join(graphed, prompts, names) == _join(eager, prompts, names)
     finally:
         graphed.scheduler.max_num_batched_tokens = budget
+
+
+def test_prompts_started_from_the_prefix_cache_match_full_prefills(
+    engines: tuple[LLMEngine, LLMEngine], model_dir: Path, adapter_dirs: dict[str, Path]
+) -> None:
+    """Prefix caching on CUDA, with graphs and async steps: prompts sharing a start read it from a finished
+    request's row or copy it from a running one's, and get the tokens of the uncached eager engine."""
+    eager, _ = engines
+    cached = _engine(model_dir, eager=False, prefix_caching="on")
+    try:
+        cached.load_adapter("r16", str(adapter_dirs["r16"]), wait=True)
+        system = eager.tokenizer.encode("harbour rules: " + "berth seven opens at six. " * 20)
+        prompts = [system + eager.tokenizer.encode(f" question {i} about the tide") for i in range(4)]
+        for steps in (False, True):
+            cached.async_steps = steps
+            for adapter in (None, "r16"):
+                first = [(prompts[0], adapter)]
+                assert _generate(cached, first, tokens=16) == _generate(eager, first, tokens=16)
+                hits = cached.prefix_cache.hit_tokens
+                rest = [(p, adapter) for p in prompts[1:]]  # from the finished row, then copies of it
+                assert _generate(cached, rest, tokens=16) == _generate(eager, rest, tokens=16)
+                assert cached.prefix_cache.hit_tokens - hits >= 3 * (len(system) - 16)
+    finally:
+        cached.stop()
 
 
 def test_graphs_that_replay_concurrently_were_captured_on_their_own_streams(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -250,6 +252,30 @@ def test_min_tokens_keeps_a_reply_going_past_its_end(client: openai.OpenAI) -> N
     assert (longer.choices[0].message.content or "").startswith(text) and len(
         longer.choices[0].message.content or ""
     ) > len(text)
+
+
+def test_a_shared_system_prompt_is_reported_as_cached_tokens(client: openai.OpenAI, gateway: ServerProcess) -> None:
+    system = "You answer questions about lighthouses: their keepers, lamps, lenses and the ships they guide."
+    usages = []
+    for question in ("Who keeps a lighthouse?", "What lens does a lighthouse use?"):
+        messages: Any = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        reply = client.chat.completions.create(model="pirate", messages=messages, max_tokens=4, temperature=0)
+        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+        usages.append(reply.usage)
+    # The first prompt has no start cached under this adapter; the second reads the system turn from the cache.
+    assert usages[0].prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
+    cached = usages[1].prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    assert cached is not None and 16 <= cached < usages[1].prompt_tokens
+    # The replica's counters reach /metrics at its next Stats poll (every second).
+    hits_line = 'adaptergate_engine_prefix_cache_hits_total{replica="engine-0"} '
+    deadline = time.monotonic() + 10
+    while True:
+        with urllib.request.urlopen(f"{gateway.url}/metrics") as response:
+            lines = [line for line in response.read().decode().splitlines() if line.startswith(hits_line)]
+        if (lines and float(lines[0].split()[-1]) >= cached) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert lines and float(lines[0].split()[-1]) >= cached, lines
 
 
 def test_engine_refusals_keep_their_meaning(client: openai.OpenAI) -> None:

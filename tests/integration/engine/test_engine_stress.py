@@ -4,7 +4,9 @@ registrations, hot swaps, unloads, pins, failing loads, requests and aborts, ste
 Loads start and end only when the generator says so (`ManualLoader` stands in for the thread loader), so a
 seed is one reproducible interleaving. After every operation the pool's invariants hold; at the end every
 request has ended exactly once, none hangs, and each one's tokens are those of its adapter version alone:
-a hot swap never mixes two versions' weights in one request.
+a hot swap never mixes two versions' weights in one request. Prefix caching is on: prompts that share a
+start read it from the cache (a finished request's row, or a copy of a running one's) under the same version
+only, and the tokens are those of an engine without the cache.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from tests.unit.engine.pool_invariants import PoolInvariants
 from tests.unit.engine.tiny import write_adapter
 
 NAMES = ("a", "b", "c", "d")
-PROMPTS = ([5, 17, 33, 2], [90, 4, 61, 61, 7, 12], [100, 3])
+SHARED = [40 + i for i in range(18)]  # a start longer than a prefix-cache block, shared by three prompts
+PROMPTS = ([5, 17, 33, 2], [90, 4, 61, 61, 7, 12], [100, 3], [*SHARED, 5, 9], [*SHARED, 7], [*SHARED, 5, 9, 11])
 MAX_TOKENS = 6
 OPS = {
     "register": 4,
@@ -112,7 +115,7 @@ def loaders(monkeypatch: pytest.MonkeyPatch) -> list[ManualLoader]:
     return made
 
 
-def new_engine(model: Path, async_steps: str, fills_ahead: int) -> LLMEngine:
+def new_engine(model: Path, async_steps: str, fills_ahead: int, prefix_caching: str = "on") -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=str(model),
@@ -128,6 +131,7 @@ def new_engine(model: Path, async_steps: str, fills_ahead: int) -> LLMEngine:
             adapter_loader="thread",
             adapter_fills_ahead=fills_ahead,
             async_steps=async_steps,
+            prefix_caching=prefix_caching,
         )
     )
 
@@ -202,7 +206,12 @@ def test_random_interleavings_serve_each_request_on_one_version(
         assert slots <= set(engine.pool._by_name.values()), "a retired version kept its slot"
         assert all(v.weights is None for v in invariants.versions if v.retired), "a retired version kept weights"
 
-        expected = references(engine, loader, good, rng)
+        assert engine.prefix_cache.hit_tokens > 0, "no prompt started from the prefix cache"
+        uncached = new_engine(model, async_steps, fills_ahead=0, prefix_caching="off")
+        try:
+            expected = references(uncached, loaders[-1], good, rng)
+        finally:
+            uncached.stop()
         ran_on = [t for t in tracked.values() if t.ran_on is not None]
         reasons = [t.outputs[-1].finish_reason for t in tracked.values()]
         assert len(ran_on) >= 10 and "abort" in reasons and "error" in reasons, "the run exercised too little"

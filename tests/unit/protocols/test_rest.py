@@ -107,7 +107,12 @@ async def test_chat_completion(rest: tuple[RestServer, FakeGateway, str], http: 
     assert reply["model"] == "base:pirate"
     assert reply["choices"][0]["message"] == {"role": "assistant", "content": 'Hello "quoted"\n'}
     assert reply["choices"][0]["finish_reason"] == "stop"
-    assert reply["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert reply["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     seen = gateway.requests[0]
     assert (seen.request_id, seen.tenant, seen.adapter, seen.routing_key) == ("req-1", "t1", "pirate", "k9")
     assert seen.messages is not None and seen.messages[0].content == "hi" and seen.prompt is None
