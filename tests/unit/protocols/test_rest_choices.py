@@ -238,3 +238,33 @@ async def test_an_error_mid_stream_ends_the_stream_of_every_choice(
     assert {c["choices"][0]["index"] for c in chunks} == {0, 1}
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks)  # no choice ends as if it were complete
     assert sorted(gateway.closed) == ["mid-0", "mid-1"]
+
+
+async def test_each_choice_takes_a_place_in_the_tenants_queue(http: aiohttp.ClientSession) -> None:
+    async with FastEngineFixture(FastEngineOptions(chunks=1000, delay_s=0.01)) as engine:
+        async with _served(engine, capacity=1) as (gateway, url):
+            busy = asyncio.create_task(http.post(f"{url}{CHAT}", json=_body(CHAT), headers=KEY))
+            await until(lambda: len(engine.active) == 1)  # holds the only engine slot
+            waiting = asyncio.create_task(http.post(f"{url}{CHAT}", json=_body(CHAT, n=3), headers=KEY))
+            await until(lambda: gateway.queue_stats()["t1"].depth == 3)
+            for task in (busy, waiting):
+                task.cancel()
+            await asyncio.gather(busy, waiting, return_exceptions=True)
+            await until(lambda: _idle(gateway, engine), timeout_s=2)
+
+
+async def test_a_drain_cut_ends_a_stream_of_several_choices_with_its_error(http: aiohttp.ClientSession) -> None:
+    gateway = FakeGateway()
+    server = RestServer(gateway, port=0, drain_timeout_s=0.3, model_name="smol")
+    await server.__aenter__()
+    try:
+        body = _body(CHAT, model="slow", n=2, stream=True)
+        headers = {**KEY, "X-Request-Id": "cut"}
+        streamed = await http.post(f"http://127.0.0.1:{server.port}{CHAT}", json=body, headers=headers)
+        assert streamed.status == 200
+    finally:
+        await server.__aexit__(None, None, None)  # gateway.release is never set: the drain times out
+    *chunks, error = await _sse(streamed)
+    assert {c["choices"][0]["index"] for c in chunks} == {0, 1}
+    assert error["error"]["code"] == "unavailable"
+    assert sorted(gateway.closed) == ["cut-0", "cut-1"]
