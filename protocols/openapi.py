@@ -19,6 +19,7 @@ from protocols.rest_input import (
     _MAX_TOP_K,
     _MIN_SEED,
     _TOKEN_ID,
+    MAX_CHOICES,
 )
 
 
@@ -114,7 +115,13 @@ _SAMPLING: dict[str, Any] = {
         "description": "Empty strings are ignored",
         "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": _MAX_STOP}],
     },
-    "n": {"type": "integer", "enum": [1], "description": "Only one choice per request"},
+    "n": {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": MAX_CHOICES,
+        "description": "Choices to generate; each takes a place in the tenant's queue. With a seed, choice i is "
+        "sampled as a single request with seed + i",
+    },
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     "user": {"type": "string", "description": "Also the routing key when X-Routing-Key is absent"},
@@ -222,7 +229,7 @@ def _schemas() -> dict[str, Any]:
             "object": {"const": kind},
             "created": {"type": "integer"},
             "model": {"type": "string", "description": "The request's model, as written"},
-            "choices": {"type": "array", "items": choice, "maxItems": 1},
+            "choices": {"type": "array", "items": choice, "maxItems": 1 if chunk else MAX_CHOICES},
             "usage": _ref("Usage"),
         }
         if chunk:
@@ -236,19 +243,21 @@ def _schemas() -> dict[str, Any]:
     # Null unless the request asked for log-probabilities; a stream's chunks carry those of their own tokens.
     chat_logprobs = {"oneOf": [{"type": "null"}, _ref("ChatLogprobs")]}
     text_logprobs = {"oneOf": [{"type": "null"}, _ref("CompletionLogprobs")]}
+    # A choice's place among the request's `n`; a stream's chunks of different choices interleave.
+    index = {"type": "integer", "minimum": 0, "maximum": MAX_CHOICES - 1}
     chat_choice = {
-        "index": {"const": 0},
+        "index": index,
         "message": _object({"role": {"const": "assistant"}, "content": {"type": "string"}}, ("role", "content")),
         "logprobs": chat_logprobs,
         "finish_reason": finish,
     }
     chunk_choice = {
-        "index": {"const": 0},
+        "index": index,
         "delta": _object({"role": {"const": "assistant"}, "content": {"type": "string"}}),
         "logprobs": chat_logprobs,
         "finish_reason": _nullable(finish),
     }
-    text_choice = {"index": {"const": 0}, "text": {"type": "string"}, "logprobs": text_logprobs}
+    text_choice = {"index": index, "text": {"type": "string"}, "logprobs": text_logprobs}
     token = {
         "token": {"type": "string", "description": "The token decoded alone (part of a character reads U+FFFD)"},
         "logprob": {"type": "number", "description": "-9999.0 for a token the model rules out"},
@@ -342,7 +351,7 @@ def _schemas() -> dict[str, Any]:
                 },
                 "echo": _unsupported({"type": "boolean", "const": False}, "false"),
                 "suffix": _unsupported({"type": "string", "maxLength": 0}, '""'),
-                "best_of": _unsupported({"type": "integer", "enum": [1]}, "1"),
+                "best_of": _unsupported({"type": "integer", "enum": [1]}, "1 (use n for several choices)"),
             },
             ("model", "prompt"),
             {"model": "base", "prompt": "Once upon a time", "max_tokens": 16},

@@ -1,9 +1,9 @@
 """OpenAI-compatible REST and SSE over aiohttp: /v1/completions, /v1/chat/completions, /v1/models.
 
-Translation only: a JSON body becomes one `GatewayRequest`, the event stream becomes one JSON reply or
-SSE `data:` chunks ending with `data: [DONE]`. Every failure leaves as an OpenAI error object
-{"error": {"message", "type", "param", "code"}} with the HTTP status from `rest_replies.HTTP_STATUS`; malformed
-input is a 4xx naming the problem, never a 500.
+Translation only: a JSON body becomes one `GatewayRequest` per choice (`n`, see `rest_choices`), their event
+streams become one JSON reply or SSE `data:` chunks ending with `data: [DONE]`. Every failure leaves as an OpenAI
+error object {"error": {"message", "type", "param", "code"}} with the HTTP status from `rest_replies.HTTP_STATUS`;
+malformed input is a 4xx naming the problem, never a 500.
 
 Extra headers: `X-Request-Id` (echoed, generated when absent), `X-Routing-Key` (sticky adapter
 version choice; the body's `user` field is used when absent), `X-Request-Timeout` (seconds, may
@@ -29,7 +29,6 @@ from opentelemetry.context import Context
 
 from gateway.api import (
     Error,
-    Event,
     GatewayRequest,
     HealthSource,
     Origin,
@@ -37,6 +36,7 @@ from gateway.api import (
 )
 from gateway.errors import GatewayError, InvalidRequest, Status, Unauthenticated
 from protocols.openapi import openapi_document
+from protocols.rest_choices import ChoiceEvent, choice_requests, close_events, merged_events
 from protocols.rest_input import ParsedBody, parse_chat, parse_completion, parse_model
 from protocols.rest_replies import error_body, error_response, stream_reply, whole_reply
 
@@ -287,7 +287,8 @@ class RestServer:
             routing_key=headers.get("X-Routing-Key") or body.user,
             trace_context=carrier,
         )
-        events = self._until_cut(self._gateway.submit(greq))
+        requests = choice_requests(greq, body.n)
+        events = self._until_cut(merged_events(self._gateway.submit, requests))
         task = asyncio.current_task()
         if task is not None:
             self._generating.add(task)
@@ -299,15 +300,13 @@ class RestServer:
             span.set_attribute("http.response.status_code", response.status)
             return response
         finally:
-            # Closing the stream early is how the core learns the client is gone.
-            aclose = getattr(events, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            # Closing the stream early is how the core learns the client is gone (every choice's request).
+            await close_events(events)
             span.end()
             if task is not None:
                 self._generating.discard(task)
 
-    async def _until_cut(self, events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    async def _until_cut(self, events: AsyncIterator[ChoiceEvent]) -> AsyncIterator[ChoiceEvent]:
         """`events`, ending with an UNAVAILABLE error if `drain` cuts the request (it cancels the handler: the
         request leaves the queue or its engine as for a client that went away, but this client hears why)."""
         try:
@@ -319,11 +318,9 @@ class RestServer:
                 raise
             if task.uncancel():  # cancelled for another reason as well (the client went away): that one stands
                 raise
-            yield Error(Status.UNAVAILABLE, "the gateway shut down before the request finished (drain timeout)")
+            yield 0, Error(Status.UNAVAILABLE, "the gateway shut down before the request finished (drain timeout)")
         finally:
-            aclose = getattr(events, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await close_events(events)
 
     def _tenant(self, request: web.Request) -> str:
         auth = request.headers.get("Authorization")

@@ -1,7 +1,7 @@
 """Validation of OpenAI request bodies: JSON in, a `ParsedBody` out, or a `FieldError` naming the field.
 
 Only what the gateway can honour is accepted; anything it would silently ignore in a way that changes
-the answer (n > 1, prompt logprobs, tools, guided decoding, several prompts) is refused with a 400 that says so.
+the answer (best_of > 1, prompt logprobs, tools, guided decoding, several prompts) is refused with a 400 that says so.
 protocols/openapi.py describes exactly this; tests/unit/protocols/test_openapi.py holds the two together.
 """
 
@@ -26,6 +26,9 @@ _MIN_SEED, _MAX_SEED = -(2**63), 2**64 - 1
 # The most likely tokens a request may ask for beside each sampled one: vLLM's default max_logprobs, OpenAI's
 # top_logprobs bound, and the engine's (engine/logprobs.py).
 _MAX_LOGPROBS = 20
+# Choices per request (`n`): OpenAI allows up to 128, vLLM up to VLLM_MAX_N_SEQUENCES (16384). Each choice is a
+# request of its own in the tenant's queue (protocols/rest_choices.py), and a tenant's default queue depth is 64.
+MAX_CHOICES = 16
 # OpenAI's logit_bias: at most 300 token ids, written in decimal (no leading zeros, so each names one id; nine
 # digits at most, past any vocabulary and within the wire's uint32), each biased within [-100, 100].
 _MAX_LOGIT_BIAS = 300
@@ -65,6 +68,7 @@ class ParsedBody:
     stream: bool
     include_usage: bool
     user: str | None
+    n: int = 1  # choices
 
 
 def parse_chat(data: object, base_name: str) -> ParsedBody:
@@ -107,9 +111,11 @@ def parse_completion(data: object, base_name: str) -> ParsedBody:
     logprobs = _logprobs_count(body, "logprobs")
     _no_op(body, "echo", "echo is not supported", False)
     _no_op(body, "suffix", "suffix is not supported", "")
+    # vLLM V1 refuses best_of > 1 (it removed best_of: vllm-project/vllm#13361) and takes 1 as a no-op, which
+    # clients such as LangChain send with any n.
     best_of = _int(body, "best_of", 1)
     if best_of not in (None, 1):
-        raise _bad("best_of > 1 is not supported", "best_of")
+        raise _bad("best_of > 1 is not supported; use n for several choices", "best_of")
     return _common(body, base_name, prompt, None, _int(body, "max_tokens", 1), logprobs)
 
 
@@ -136,9 +142,7 @@ def _common(
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model is required: 'base', 'base:ADAPTER' or 'ADAPTER'", "model")
-    n = _int(body, "n", 1)
-    if n not in (None, 1):
-        raise _bad("n > 1 is not supported; send several requests", "n")
+    n = _int(body, "n", 1, MAX_CHOICES) or 1
     stream = body.get("stream")
     if stream is None:
         stream = False
@@ -188,6 +192,7 @@ def _common(
         stream=stream,
         include_usage=include_usage,
         user=user,
+        n=n,
     )
 
 

@@ -1,18 +1,21 @@
-"""OpenAI-shaped replies: a whole completion, an SSE stream of chunks ending with `data: [DONE]`, and the
-error object {"error": {"message", "type", "param", "code"}} with the HTTP status of its `Status`."""
+"""OpenAI-shaped replies: a whole completion, an SSE stream of chunks ending with `data: [DONE]` (either with
+the `n` choices of the request), and the error object {"error": {"message", "type", "param", "code"}} with the
+HTTP status of its `Status`."""
 
 from __future__ import annotations
 
 import json
 import math
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from aiohttp import web
 
-from gateway.api import Done, Error, Event, TokenChunk
+from gateway.api import Done, Error, TokenChunk
 from gateway.errors import Status
+from protocols.rest_choices import ChoiceEvent
 from protocols.rest_input import ParsedBody
 from protocols.rest_logprobs import ReplyLogprobs
 
@@ -57,126 +60,133 @@ def error_response(
     return web.Response(status=http, body=body, content_type="application/json", headers=headers)
 
 
-async def whole_reply(events: AsyncIterator[Event], body: ParsedBody, request_id: str, chat: bool) -> web.Response:
-    """The completion's JSON reply once its events end; an error event becomes the error reply instead."""
-    parts: list[str] = []
-    done: Done | None = None
-    logprobs = ReplyLogprobs(chat) if body.sampling.logprobs is not None else None
-    async for event in events:
+async def whole_reply(
+    events: AsyncIterator[ChoiceEvent], body: ParsedBody, request_id: str, chat: bool
+) -> web.Response:
+    """The completion's JSON reply once every choice's events end; an error event of any choice becomes the
+    error reply instead (the caller's closing of `events` cancels the other choices)."""
+    n = body.n
+    parts: list[list[str]] = [[] for _ in range(n)]
+    dones: list[Done | None] = [None] * n
+    logprobs = [ReplyLogprobs(chat) for _ in range(n)] if body.sampling.logprobs is not None else None
+    async for index, event in events:
         if type(event) is TokenChunk:
-            parts.append(event.text)
+            parts[index].append(event.text)
             if logprobs is not None:
-                logprobs.add(event.text, event.logprobs)
+                logprobs[index].add(event.text, event.logprobs)
         elif type(event) is Done:
-            done = event
+            dones[index] = event
         elif isinstance(event, Error):
             return event_error(event, request_id)
-    if done is None:
+    finished = [done for done in dones if done is not None]
+    if len(finished) < n:
         return error_response(Status.INTERNAL, "the request ended without a result", request_id=request_id)
-    text = "".join(parts)
-    created = int(time.time())
-    usage = _usage(done)
-    choice: dict[str, Any]
-    if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None if logprobs is None else logprobs.take(),
-            "finish_reason": done.finish_reason,
-        }
-        reply = {
-            "id": f"chatcmpl-{request_id}",
-            "object": "chat.completion",
-            "created": created,
-            "model": body.model,
-            "choices": [choice],
-            "usage": usage,
-        }
-    else:
-        taken = None if logprobs is None else logprobs.take()
-        choice = {"index": 0, "text": text, "logprobs": taken, "finish_reason": done.finish_reason}
-        reply = {
-            "id": f"cmpl-{request_id}",
-            "object": "text_completion",
-            "created": created,
-            "model": body.model,
-            "choices": [choice],
-            "usage": usage,
-        }
+    choices: list[dict[str, Any]] = []
+    for index, done in enumerate(finished):
+        text = "".join(parts[index])
+        taken = None if logprobs is None else logprobs[index].take()
+        if chat:
+            message = {"role": "assistant", "content": text}
+            choices.append({"index": index, "message": message, "logprobs": taken, "finish_reason": done.finish_reason})
+        else:
+            choices.append({"index": index, "text": text, "logprobs": taken, "finish_reason": done.finish_reason})
+    reply = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": body.model,
+        "choices": choices,
+        "usage": _usage(finished),
+    }
     headers = {"X-Request-Id": request_id}
-    if done.adapter_version:
-        headers["X-Adapter-Version"] = done.adapter_version
+    if finished[0].adapter_version:
+        headers["X-Adapter-Version"] = finished[0].adapter_version
     return web.Response(body=json.dumps(reply).encode(), content_type="application/json", headers=headers)
 
 
 async def stream_reply(
-    request: web.Request, events: AsyncIterator[Event], body: ParsedBody, request_id: str, chat: bool
+    request: web.Request, events: AsyncIterator[ChoiceEvent], body: ParsedBody, request_id: str, chat: bool
 ) -> web.StreamResponse:
-    """The completion as SSE chunks as OpenAI sends them. An error before the first event keeps its HTTP
-    status; one after it ends the stream as its last chunk, before `data: [DONE]`."""
-    # Wait for the first event before committing to 200, so early failures keep their HTTP status.
-    first = await anext(events, None)
-    if first is None:
-        return error_response(Status.INTERNAL, "the request ended without a result", request_id=request_id)
-    if isinstance(first, Error):
-        return event_error(first, request_id)
+    """The completion as SSE chunks as OpenAI sends them, the chunks of several choices interleaved, each
+    naming its choice's index. An error before every choice's first event keeps its HTTP status (and no
+    choice is streamed); one after it ends the stream as its last chunk, before `data: [DONE]`."""
+    # Wait for every choice's first event before committing to 200, so early failures keep their HTTP status
+    # (a refusal of any choice refuses the request). Events of choices that started meanwhile are held.
+    n = body.n
+    held: deque[ChoiceEvent] = deque()
+    started: set[int] = set()
+    while len(started) < n:
+        tagged = await anext(events, None)
+        if tagged is None:
+            return error_response(Status.INTERNAL, "the request ended without a result", request_id=request_id)
+        if isinstance(tagged[1], Error):
+            return event_error(tagged[1], request_id)
+        started.add(tagged[0])
+        held.append(tagged)
     created = int(time.time())
     model = json.dumps(body.model)
     # A client's X-Request-Id may hold quotes or backslashes: escape it like every other string here.
     if chat:
         chunk_id = json.dumps(f"chatcmpl-{request_id}")
         head = f'{{"id":{chunk_id},"object":"chat.completion.chunk","created":{created},"model":{model}'
-        open_text = head + ',"choices":[{"index":0,"delta":{"content":'
+        opening = ',"delta":{"content":'
         logprobs_key = b'},"logprobs":'
     else:
         chunk_id = json.dumps(f"cmpl-{request_id}")
         head = f'{{"id":{chunk_id},"object":"text_completion","created":{created},"model":{model}'
-        open_text = head + ',"choices":[{"index":0,"text":'
+        opening = ',"text":'
         logprobs_key = b',"logprobs":'
-    prefix = b"data: " + open_text.encode()
+    prefixes = [b"data: " + f'{head},"choices":[{{"index":{i}{opening}'.encode() for i in range(n)]
     close = b',"finish_reason":null}]}\n\n'
-    suffix = logprobs_key + b"null" + close
+    plain = logprobs_key + b"null" + close
     # Chunks of requests that asked for log-probabilities carry those of their tokens; the others a constant.
-    logprobs = ReplyLogprobs(chat) if body.sampling.logprobs is not None else None
+    logprobs = [ReplyLogprobs(chat) for _ in range(n)] if body.sampling.logprobs is not None else None
     headers = {**_SSE_HEADERS, "X-Request-Id": request_id}
+    first = held[0][1]
     version = first.adapter_version if isinstance(first, TokenChunk | Done) else None
     if version:  # named by the first event, before the headers go out (a JSON reply takes it from `Done`)
         headers["X-Adapter-Version"] = version
     response = web.StreamResponse(headers=headers)
     await response.prepare(request)
-    # The role travels once, in a chunk of its own as OpenAI sends it, but in the same write as the
+    # The role travels once per choice, in a chunk of its own as OpenAI sends it, but in the same write as the
     # first text; the closing chunks go out with the end of the body. Fewer writes, fewer syscalls.
     pending = b""
     if chat:
-        role = (
-            ',"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}'
-        )
-        pending = b"data: " + (head + role).encode() + b"\n\n"
+        for i in range(n):
+            role = f',"choices":[{{"index":{i},"delta":{{"role":"assistant","content":""}},"logprobs":null,'
+            pending += b"data: " + (head + role + '"finish_reason":null}]}').encode() + b"\n\n"
     final = b""
-    event: Event | None = first
-    while event is not None:
+    dones: list[Done] = []
+    while True:
+        tagged = held.popleft() if held else await anext(events, None)
+        if tagged is None:
+            break
+        index, event = tagged
         if type(event) is TokenChunk:
+            suffix = plain
             if logprobs is not None:
-                logprobs.add(event.text, event.logprobs)
-                suffix = logprobs_key + json.dumps(logprobs.take()).encode() + close
-            await response.write(pending + prefix + json.dumps(event.text).encode() + suffix)
+                logprobs[index].add(event.text, event.logprobs)
+                suffix = logprobs_key + json.dumps(logprobs[index].take()).encode() + close
+            await response.write(pending + prefixes[index] + json.dumps(event.text).encode() + suffix)
             pending = b""
         elif type(event) is Done:
             reason = json.dumps(event.finish_reason)
-            if chat:
-                last = head + f',"choices":[{{"index":0,"delta":{{}},"logprobs":null,"finish_reason":{reason}}}]}}'
-            else:
-                last = head + f',"choices":[{{"index":0,"text":"","logprobs":null,"finish_reason":{reason}}}]}}'
+            delta = '"delta":{}' if chat else '"text":""'
+            last = f'{head},"choices":[{{"index":{index},{delta},"logprobs":null,"finish_reason":{reason}}}]}}'
+            dones.append(event)
+            if len(dones) < n:  # the others go on: this choice's end goes out now
+                await response.write(pending + b"data: " + last.encode() + b"\n\n")
+                pending = b""
+                continue
             final = b"data: " + last.encode() + b"\n\n"
             if body.include_usage:
-                usage = head + ',"choices":[],"usage":' + json.dumps(_usage(event)) + "}"
+                usage = head + ',"choices":[],"usage":' + json.dumps(_usage(dones)) + "}"
                 final += b"data: " + usage.encode() + b"\n\n"
             break
         elif isinstance(event, Error):
             _, kind = HTTP_STATUS[event.status]
             final = b"data: " + error_body(event.message, kind, None, event.status.value) + b"\n\n"
             break
-        event = await anext(events, None)
     await response.write_eof(pending + final + _DONE)
     return response
 
@@ -195,12 +205,14 @@ def event_error(event: Error, request_id: str) -> web.Response:
     )
 
 
-def _usage(done: Done) -> dict[str, Any]:
-    u = done.usage
+def _usage(dones: Sequence[Done]) -> dict[str, Any]:
+    """The usage of a request's choices: one prompt (the same for all), the completions of every choice."""
+    prompt = dones[0].usage.prompt_tokens
+    completion = sum(done.usage.completion_tokens for done in dones)
     return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-        # OpenAI's prompt caching report: the prompt tokens the engine's prefix cache held.
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        # OpenAI's prompt caching report: the prompt tokens the engine's prefix cache held (the first choice's).
+        "prompt_tokens_details": {"cached_tokens": dones[0].usage.cached_tokens},
     }

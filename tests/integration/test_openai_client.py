@@ -71,6 +71,20 @@ def test_completions_plain_and_streamed(client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].text for c in streamed) == "tok " * 5
 
 
+def test_several_choices_whole_and_streamed(client: openai.OpenAI) -> None:
+    reply = client.completions.create(model="base", prompt="Once upon", max_tokens=2, n=3, best_of=1)
+    assert [(c.index, c.text, c.finish_reason) for c in reply.choices] == [(i, "tok tok ", "length") for i in range(3)]
+    assert reply.usage is not None and reply.usage.completion_tokens == 6
+    stream = client.chat.completions.create(
+        model="pirate", messages=[{"role": "user", "content": "hi"}], n=2, stream=True
+    )
+    texts = ["", ""]
+    for chunk in stream:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+    assert texts == ["tok " * 5] * 2
+
+
 def test_logprobs_chat_and_completions_whole_and_streamed(client: openai.OpenAI) -> None:
     # The fixture engine makes them up: each "tok " at -0.25, the most likely, then "alt1" at -1.0, ...
     messages: list[Any] = [{"role": "user", "content": "hi"}]
@@ -107,8 +121,9 @@ def test_models_list(client: openai.OpenAI) -> None:
 def test_errors_raise_the_matching_openai_exceptions(client: openai.OpenAI, gateway: ServerProcess) -> None:
     with pytest.raises(openai.NotFoundError, match="adapter 'kraken' not found"):
         client.chat.completions.create(model="kraken", messages=[{"role": "user", "content": "x"}])
-    with pytest.raises(openai.BadRequestError, match="n > 1 is not supported"):
-        client.chat.completions.create(model="base", messages=[{"role": "user", "content": "x"}], n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be at most 16, got 17") as refused:
+        client.chat.completions.create(model="base", messages=[{"role": "user", "content": "x"}], n=17)
+    assert refused.value.param == "n"
     bad = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError, match="invalid API key"):
         bad.models.list()

@@ -19,6 +19,7 @@ from tests.support.model_files import DEMO_ADAPTERS, demo_adapter_dir, smollm2_g
 
 if TYPE_CHECKING:
     import torch
+    from openai.types.chat import ChatCompletion
 
     from engine.tokenizer import Tokenizer
 
@@ -276,6 +277,65 @@ def test_a_shared_system_prompt_is_reported_as_cached_tokens(client: openai.Open
             break
         time.sleep(0.2)
     assert lines and float(lines[0].split()[-1]) >= cached, lines
+
+
+def _sampled(client: openai.OpenAI, model: str, seed: int, n: int = 1) -> ChatCompletion:
+    return client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        seed=seed,
+        n=n,
+    )
+
+
+def test_n_seeded_choices_differ_and_each_is_the_single_request_with_seed_plus_i(client: openai.OpenAI) -> None:
+    reply = _sampled(client, "base", 11, n=3)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    texts = [c.message.content for c in reply.choices]
+    assert len(set(texts)) == 3, texts
+    # The single requests run together, as the choices do: on the CPU a batch of one and one of three round the
+    # logits differently, enough for a draw at temperature 1 to pick another token now and then.
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        singles = list(pool.map(lambda i: _sampled(client, "base", 11 + i), range(3)))
+    assert texts == [s.choices[0].message.content for s in singles]
+    assert [c.finish_reason for c in reply.choices] == [s.choices[0].finish_reason for s in singles]
+    usages = [s.usage for s in singles if s.usage is not None]
+    assert reply.usage is not None and len(usages) == 3
+    assert reply.usage.prompt_tokens == usages[0].prompt_tokens
+    assert reply.usage.completion_tokens == sum(u.completion_tokens for u in usages)
+
+
+def test_n_greedy_choices_are_identical(client: openai.OpenAI) -> None:
+    reply = client.completions.create(model="base", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, n=2)
+    single = client.completions.create(model="base", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    assert [c.text for c in reply.choices] == [single.choices[0].text] * 2
+
+
+def test_n_streamed_choices_are_the_whole_replys(client: openai.OpenAI) -> None:
+    whole = _sampled(client, DEMO_ADAPTERS[0], 5, n=2)
+    stream = client.chat.completions.create(
+        model=DEMO_ADAPTERS[0],
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        seed=5,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    texts = ["", ""]
+    reasons: list[list[str | None]] = [[], []]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+        reasons[choice.index].append(choice.finish_reason)
+    assert texts == [c.message.content for c in whole.choices]
+    assert [r[-1] for r in reasons] == [c.finish_reason for c in whole.choices]
+    assert all(r.count(None) == len(r) - 1 for r in reasons)  # one finish_reason per choice, at its end
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
 
 
 def test_engine_refusals_keep_their_meaning(client: openai.OpenAI) -> None:

@@ -351,11 +351,12 @@ async def _check(response: aiohttp.ClientResponse, path: str, method: str = "pos
 
 async def test_json_replies_match_the_document_and_the_openai_types(url: str) -> None:
     async with aiohttp.ClientSession(headers=KEY) as http:
-        chat = {"model": "pirate", "messages": [{"role": "user", "content": "hi"}]}
-        async with http.post(f"{url}/v1/chat/completions", json=chat) as r:
-            ChatCompletion.model_validate(await _check(r, "/v1/chat/completions"))
-        async with http.post(f"{url}/v1/completions", json={"model": "base", "prompt": "x"}) as r:
-            Completion.model_validate(await _check(r, "/v1/completions"))
+        for n in (1, 3):
+            chat = {"model": "pirate", "messages": [{"role": "user", "content": "hi"}], "n": n}
+            async with http.post(f"{url}/v1/chat/completions", json=chat) as r:
+                ChatCompletion.model_validate(await _check(r, "/v1/chat/completions"))
+            async with http.post(f"{url}/v1/completions", json={"model": "base", "prompt": "x", "n": n}) as r:
+                assert len(Completion.model_validate(await _check(r, "/v1/completions")).choices) == n
         async with http.get(f"{url}/v1/models") as r:
             listed = await _check(r, "/v1/models", "get")
             assert [Model.model_validate(m).id for m in listed["data"]] == ["base", "pirate"]
@@ -372,11 +373,11 @@ async def test_json_replies_match_the_document_and_the_openai_types(url: str) ->
         ("/v1/completions", {"prompt": "x"}, Completion),
     ],
 )
-@pytest.mark.parametrize("model", ["pirate", "midfail"])
+@pytest.mark.parametrize(("model", "n"), [("pirate", 1), ("pirate", 3), ("midfail", 1)])
 async def test_sse_chunks_match_the_document_and_the_openai_types(
-    url: str, path: str, body: dict[str, Any], chunk: type[Any], model: str
+    url: str, path: str, body: dict[str, Any], chunk: type[Any], model: str, n: int
 ) -> None:
-    request = {**body, "model": model, "stream": True, "stream_options": {"include_usage": True}}
+    request = {**body, "model": model, "n": n, "stream": True, "stream_options": {"include_usage": True}}
     async with aiohttp.ClientSession(headers=KEY) as http, http.post(f"{url}{path}", json=request) as r:
         assert r.status == 200
         text = await r.text()
@@ -395,7 +396,7 @@ async def test_sse_chunks_match_the_document_and_the_openai_types(
         assert _conforms(_ref("Error"), events[-1])
     else:
         assert _conforms(_ref(chunk_name[1]), events[-1])
-        assert events[-1]["choices"] == [] and chunk.model_validate(events[-1]).usage.total_tokens == 6
+        assert events[-1]["choices"] == [] and chunk.model_validate(events[-1]).usage.total_tokens == 3 + 3 * n
 
 
 def _ref(name: str) -> dict[str, Any]:

@@ -191,7 +191,11 @@ async def test_completion_stream_without_usage(
         ("/v1/chat/completions", {"model": "base"}, "messages", "messages must be a non-empty array"),
         ("/v1/chat/completions", _chat(messages=[{"role": "robot", "content": "x"}]), "messages[0].role", "role"),
         ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": 5}]), "messages[0].content", "content"),
-        ("/v1/chat/completions", _chat(n=2), "n", "n > 1 is not supported"),
+        ("/v1/chat/completions", _chat(n=17), "n", "n must be at most 16, got 17"),
+        ("/v1/chat/completions", _chat(n=0), "n", "n must be at least 1, got 0"),
+        ("/v1/chat/completions", _chat(n=2.0), "n", "n must be an integer"),
+        ("/v1/completions", {"model": "base", "prompt": "x", "n": 100}, "n", "n must be at most 16, got 100"),
+        ("/v1/completions", {"model": "base", "prompt": "x", "n": 2, "best_of": 2}, "best_of", "use n for several"),
         ("/v1/chat/completions", _chat(temperature="hot"), "temperature", "must be a number"),
         ("/v1/chat/completions", _chat(temperature=3), "temperature", "between 0 and 2"),
         ("/v1/chat/completions", _chat(max_tokens=0), "max_tokens", "at least 1"),
@@ -481,13 +485,13 @@ async def test_a_drain_cut_does_not_swallow_a_cancellation_of_its_own() -> None:
     server = RestServer(FakeGateway(), port=0, model_name="smol")
     started = asyncio.Event()
 
-    async def endless() -> AsyncIterator[Event]:
+    async def endless() -> AsyncIterator[tuple[int, Event]]:
         started.set()
         await asyncio.Event().wait()
-        yield TokenChunk("never")
+        yield 0, TokenChunk("never")
 
     async def handler() -> list[Event]:
-        return [event async for event in server._until_cut(endless())]
+        return [event async for _, event in server._until_cut(endless())]
 
     cut_alone, cut_and_gone = asyncio.create_task(handler()), asyncio.create_task(handler())
     await started.wait()
