@@ -17,6 +17,7 @@ from gateway.core import Gateway
 from gateway.errors import Status
 from gateway.registry import AdapterInstance, AdapterVersion, Registry
 from protocols.rest import RestServer
+from protocols.rest_choices import choice_requests, merged_events
 from tests.support.gateways import serving_gateway
 from tests.support.waiting import until
 from tests.unit.protocols.test_rest import KEY, FakeGateway
@@ -119,7 +120,12 @@ async def test_a_whole_reply_has_n_choices_and_the_prompt_counted_once(http: aio
             entries = choice["logprobs"]["content"] if path == CHAT else choice["logprobs"]["tokens"]
             assert len(entries) == 4
         prompt = single["usage"]["prompt_tokens"]
-        assert reply["usage"] == {"prompt_tokens": prompt, "completion_tokens": 12, "total_tokens": prompt + 12}
+        assert reply["usage"] == {
+            "prompt_tokens": prompt,
+            "completion_tokens": 12,
+            "total_tokens": prompt + 12,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
         # One engine request per choice, each with an id of its own and seed + i; the reply keeps the client's id.
         assert _client_ids(engine)[:3] == ["req-n-0", "req-n-1", "req-n-2"]
         assert [r.sampling.seed for r in engine.requests_seen[:3]] == [7, 8, 9]
@@ -268,3 +274,16 @@ async def test_a_drain_cut_ends_a_stream_of_several_choices_with_its_error(http:
     assert {c["choices"][0]["index"] for c in chunks} == {0, 1}
     assert error["error"]["code"] == "unavailable"
     assert sorted(gateway.closed) == ["cut-0", "cut-1"]
+
+
+async def test_a_choice_whose_events_fail_is_raised_not_dropped() -> None:
+    # A reply must never go on without one choice's events.
+    async def submit(request: GatewayRequest) -> AsyncIterator[Event]:
+        if request.request_id.endswith("-1"):
+            raise RuntimeError("a bug in choice 1")
+        yield TokenChunk("tok", 1)
+
+    requests = choice_requests(GatewayRequest(request_id="r", tenant="t", adapter=None, prompt="hi"), 2)
+    with pytest.raises(RuntimeError, match="a bug in choice 1"):
+        async for _ in merged_events(submit, requests):
+            pass
