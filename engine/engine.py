@@ -238,8 +238,10 @@ class LLMEngine:
         adapter: str | None,
         sink: OutputSink,
         priority: int = 0,
+        cache_salt: str = "",
     ) -> None:
-        """Admit a request (raises EngineError); its outputs go to `sink` from the engine thread."""
+        """Admit a request (raises EngineError); its outputs go to `sink` from the engine thread. It reads
+        prefix-cached tokens only of requests with the same `cache_salt`."""
         if not request_id:
             raise EngineError("INVALID_ARGUMENT", "request_id must not be empty")
         try:
@@ -269,6 +271,7 @@ class LLMEngine:
             decoder=IncrementalDecoder(self.tokenizer, prompt_ids),
             generator=make_generator(params, self.device),
             priority=priority,
+            cache_salt=cache_salt,
         )
         with self._lock:
             if self._drain_deadline is not None:

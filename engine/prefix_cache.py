@@ -3,7 +3,9 @@
 A KV row keeps, once its request has ended, the tokens whose keys and values it holds (the prompt and every
 output token but the last, which was never fed back) and the adapter version they were computed under. A
 new request whose prompt starts with those tokens under the same adapter (or both on the base model) takes
-that row and prefills only the rest of its prompt. A prefix held in a running request's row is copied into a
+that row and prefills only the rest of its prompt. Requests share cached tokens only under the same cache salt
+(vLLM's `cache_salt`; the gateway salts each tenant's requests with its name), so nobody can time another's
+prompt. A prefix held in a running request's row is copied into a
 free row instead (a device copy of the prefix's keys and values, against a prefill's compute). Multi-turn chats
 and requests that share a system prompt are the common cases.
 
@@ -21,33 +23,36 @@ from dataclasses import dataclass, field
 from engine.kv_cache import KVCache
 from engine.sequence import Sequence
 
+# (adapter version id, 0 for the base model; cache salt): keys and values depend on the first, and are shared
+# only under the same second.
+CacheKey = tuple[int, str]
 BLOCK = 16  # tokens per hashed block; a match shorter than one block is not worth a lookup
 _CANDIDATES = 8  # rows compared token by token per lookup at most
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
-    """Where a prompt's cached prefix is: `tokens` of it in KV row `row` (None: no cached prefix), computed
-    under adapter version id `adapter` (0: the base model)."""
+    """Where a prompt's cached prefix is: `tokens` of it in KV row `row` (None: no cached prefix), looked up
+    under `key` (`cache_key`)."""
 
     row: int | None = None
     tokens: int = 0
-    adapter: int = 0
+    key: CacheKey = (0, "")
 
 
 @dataclass(eq=False, slots=True)
 class _RowContent:
-    adapter: int = 0  # the adapter version's id; 0 for the base model
+    key: CacheKey = (0, "")  # the adapter version and salt its tokens were computed under (`cache_key`)
     tokens: list[int] = field(default_factory=list)  # their keys and values fill the row's first positions
     hashes: list[int] = field(default_factory=list)  # of each whole block of `tokens`, chained
     last_used: float = 0.0
 
 
-def _chain(adapter: int, tokens: list[int], start_hash: int | None, first_block: int, last_block: int) -> list[int]:
+def _chain(key: CacheKey, tokens: list[int], start_hash: int | None, first_block: int, last_block: int) -> list[int]:
     """The chained hashes of blocks `first_block`..`last_block - 1` of `tokens`, the one before them being
-    `start_hash` (the adapter's id seeds the first)."""
+    `start_hash` (`key` seeds the first)."""
     out: list[int] = []
-    previous = hash(("prefix", adapter)) if start_hash is None else start_hash
+    previous = hash(("prefix", key)) if start_hash is None else start_hash
     for block in range(first_block, last_block):
         previous = hash((previous, *tokens[block * BLOCK : (block + 1) * BLOCK]))
         out.append(previous)
@@ -64,18 +69,18 @@ class PrefixCache:
         self.kv, self.enabled = kv, enabled
         self._rows = [_RowContent() for _ in range(kv.total)]
         self._index: dict[int, set[int]] = {}  # block hash -> rows holding that prefix
-        self._prompt_hashes: dict[Sequence, tuple[int, list[int]]] = {}  # seq -> (adapter id, its blocks' hashes)
+        self._prompt_hashes: dict[Sequence, tuple[CacheKey, list[int]]] = {}  # seq -> (key, its blocks' hashes)
         self.queried_tokens = 0  # prompt tokens of admitted requests
         self.hit_tokens = 0  # of those, read from the cache instead of prefilled
 
     # -- admission ----------------------------------------------------------------------------------
 
     def lookup(self, seq: Sequence) -> PrefixHit:
-        """The longest cached prefix of `seq`'s prompt under its adapter, in a free or running row."""
-        adapter = adapter_id(seq)
+        """The longest cached prefix of `seq`'s prompt under its adapter and salt, in a free or running row."""
+        key = cache_key(seq)
         if not self.enabled:
-            return PrefixHit(adapter=adapter)
-        hashes = self._hashes_of(seq, adapter)
+            return PrefixHit(key=key)
+        hashes = self._hashes_of(seq, key)
         candidates: set[int] = set()
         blocks = 0
         for h in hashes:
@@ -84,28 +89,28 @@ class PrefixCache:
                 break
             candidates, blocks = rows, blocks + 1
         if not blocks:
-            return PrefixHit(adapter=adapter)
+            return PrefixHit(key=key)
         prompt = seq.prompt_ids
         limit = len(prompt) - 1  # one prompt token is always prefilled, for the first output's logits
-        best = PrefixHit(adapter=adapter)
+        best = PrefixHit(key=key)
         free = self.kv.free_set()
         for row in sorted(candidates, key=lambda r: r not in free)[:_CANDIDATES]:
             content = self._rows[row]
-            if content.adapter != adapter or content.tokens[: blocks * BLOCK] != prompt[: blocks * BLOCK]:
+            if content.key != key or content.tokens[: blocks * BLOCK] != prompt[: blocks * BLOCK]:
                 continue  # a hash collision
             end = min(limit, len(content.tokens))
             matched = min(blocks * BLOCK, end)
             while matched < end and content.tokens[matched] == prompt[matched]:
                 matched += 1
             if matched > best.tokens or (matched == best.tokens and row in free and best.row not in free):
-                best = PrefixHit(row, matched, adapter)
+                best = PrefixHit(row, matched, key)
         return best
 
     def take(self, seq: Sequence, hit: PrefixHit) -> int:
         """A free KV row for `seq`, holding `hit.tokens` of its prompt: the hit's own row when free, else a free
         row the prefix is copied into. Call only while `kv.free_slots` > 0, with `seq`'s adapter as it was
         looked up."""
-        assert hit.adapter == adapter_id(seq), "looked up under another adapter version"
+        assert hit.key == cache_key(seq), "looked up under another adapter version"
         self._prompt_hashes.pop(seq, None)
         if not self.enabled:
             row = self.kv.allocate()
@@ -123,7 +128,7 @@ class PrefixCache:
         if hit.row is not None and hit.tokens:
             self.kv.copy_prefix(hit.row, row, hit.tokens)
             source = self._rows[hit.row]
-            self._extend(row, source.adapter, source.tokens[: hit.tokens])
+            self._extend(row, source.key, source.tokens[: hit.tokens])
         return row
 
     # -- what rows hold -----------------------------------------------------------------------------
@@ -136,7 +141,7 @@ class PrefixCache:
         for seq in running:
             content = self._rows[seq.kv_slot]
             if len(content.tokens) < seq.prefilled:
-                self._extend(seq.kv_slot, adapter_id(seq), seq.prompt_ids[len(content.tokens) : seq.prefilled])
+                self._extend(seq.kv_slot, cache_key(seq), seq.prompt_ids[len(content.tokens) : seq.prefilled])
 
     def release(self, seq: Sequence, keep: bool) -> None:
         """`seq` (running) ends and gives its row back: what the row holds stays cached when `keep`."""
@@ -147,7 +152,7 @@ class PrefixCache:
                 fed = seq.prompt_ids[: seq.prefilled] + (seq.output_ids[:-1] if seq.prefill_done else [])
                 content = self._rows[seq.kv_slot]
                 if len(fed) > len(content.tokens):
-                    self._extend(seq.kv_slot, adapter_id(seq), fed[len(content.tokens) :])
+                    self._extend(seq.kv_slot, cache_key(seq), fed[len(content.tokens) :])
                 content.last_used = time.monotonic()
             else:  # its step failed: what the row holds is unknown
                 self._truncate(seq.kv_slot, 0)
@@ -163,11 +168,11 @@ class PrefixCache:
 
     # -- internals ----------------------------------------------------------------------------------
 
-    def _hashes_of(self, seq: Sequence, adapter: int) -> list[int]:
+    def _hashes_of(self, seq: Sequence, key: CacheKey) -> list[int]:
         cached = self._prompt_hashes.get(seq)
-        if cached is None or cached[0] != adapter:  # first lookup, or the adapter was swapped meanwhile
+        if cached is None or cached[0] != key:  # first lookup, or the adapter was swapped meanwhile
             whole_blocks = (len(seq.prompt_ids) - 1) // BLOCK
-            cached = (adapter, _chain(adapter, seq.prompt_ids, None, 0, whole_blocks))
+            cached = (key, _chain(key, seq.prompt_ids, None, 0, whole_blocks))
             self._prompt_hashes[seq] = cached
         return cached[1]
 
@@ -175,14 +180,14 @@ class PrefixCache:
         free = self.kv.free_set()
         return min(free, key=lambda row: (bool(self._rows[row].tokens), self._rows[row].last_used))
 
-    def _extend(self, row: int, adapter: int, tokens: list[int]) -> None:
+    def _extend(self, row: int, key: CacheKey, tokens: list[int]) -> None:
         content = self._rows[row]
         if not content.tokens:
-            content.adapter = adapter
+            content.key = key
         content.tokens.extend(tokens)
         done = len(content.hashes)
         start = content.hashes[-1] if content.hashes else None
-        new = _chain(content.adapter, content.tokens, start, done, len(content.tokens) // BLOCK)
+        new = _chain(content.key, content.tokens, start, done, len(content.tokens) // BLOCK)
         for h in new:
             self._index.setdefault(h, set()).add(row)
         content.hashes.extend(new)
@@ -201,6 +206,7 @@ class PrefixCache:
         content.last_used = time.monotonic()
 
 
-def adapter_id(seq: Sequence) -> int:
-    """The id of the adapter version `seq` runs on (0: the base model): keys and values depend on it."""
-    return 0 if seq.adapter is None else seq.adapter.id
+def cache_key(seq: Sequence) -> CacheKey:
+    """What `seq`'s cached tokens are shared under: the adapter version it runs on (0: the base model), on which
+    keys and values depend, and its cache salt."""
+    return (0 if seq.adapter is None else seq.adapter.id, seq.cache_salt)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from engine.kv_cache import KVCache
 from engine.pool import AdapterPool
-from engine.prefix_cache import PrefixCache, adapter_id
+from engine.prefix_cache import PrefixCache, cache_key
 from engine.sequence import SeqStatus, Sequence
 
 
@@ -78,7 +78,7 @@ class Scheduler:
                     slots_taken = slots_taken or not (seq.adapter.retired or seq.adapter.weights is None)
                     continue
                 seq.lora_slot = slot
-            if hit.adapter != adapter_id(seq):  # swapped to a new version since the lookup: its own keys
+            if hit.key != cache_key(seq):  # swapped to a new version since the lookup: its own keys
                 hit = self.prefix.lookup(seq)
                 left = len(seq.prompt_ids) - hit.tokens
             seq.kv_slot = self.prefix.take(seq, hit)

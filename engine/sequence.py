@@ -50,6 +50,7 @@ class Sequence:
     decoder: IncrementalDecoder
     generator: torch.Generator | None
     priority: int = 0
+    cache_salt: str = ""  # prompts share prefix-cached tokens only under the same salt
     arrival: float = field(default_factory=time.monotonic)
     status: SeqStatus = SeqStatus.WAITING
     kv_slot: int = -1

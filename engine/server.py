@@ -61,7 +61,9 @@ class EngineService(pb_grpc.EngineServicer):
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         try:
-            engine.add_request(request_id, prompt_ids, params, request.adapter or None, sink, request.priority)
+            engine.add_request(
+                request_id, prompt_ids, params, request.adapter or None, sink, request.priority, request.cache_salt
+            )
         except EngineError as exc:
             await context.abort(grpc.StatusCode[exc.code], exc.message)
             return

@@ -73,6 +73,9 @@ class GatewayRequest:
     priority: int = 0
     protocol: Origin = Origin.REST
     routing_key: str | None = None
+    # The client's prefix-cache salt (vLLM's cache_salt): its prompts share cached tokens only with requests of
+    # the same tenant and salt.
+    cache_salt: str | None = None
     trace_context: Mapping[str, str] = field(default_factory=dict)
 
 

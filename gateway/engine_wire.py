@@ -3,6 +3,7 @@ and the log-probabilities that come back."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
 
@@ -38,13 +39,23 @@ def generate_request(request: GatewayRequest, engine_name: str) -> pb.GenerateRe
     if s.logprobs is not None:
         sampling.logprobs = s.logprobs
     message = pb.GenerateRequest(
-        request_id=request.request_id, adapter=engine_name, sampling=sampling, priority=request.priority
+        request_id=request.request_id,
+        adapter=engine_name,
+        sampling=sampling,
+        priority=request.priority,
+        cache_salt=cache_salt(request),
     )
     if request.messages is not None:
         message.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.content) for m in request.messages)
     else:
         message.prompt = request.prompt or ""
     return message
+
+
+def cache_salt(request: GatewayRequest) -> str:
+    """The engine's prefix-cache salt of `request`: its tenant, and the client's own salt if any. Tenants never
+    share cached prompt tokens, so none can tell from a faster first token that another sent the same prompt."""
+    return json.dumps([request.tenant, request.cache_salt])
 
 
 def token_logprobs(entries: Iterable[pb.TokenLogprobs]) -> tuple[TokenLogprobs, ...]:

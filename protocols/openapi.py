@@ -19,6 +19,7 @@ from protocols.rest_input import (
     _MAX_TOP_K,
     _MIN_SEED,
     _TOKEN_ID,
+    MAX_CACHE_SALT,
     MAX_CHOICES,
 )
 
@@ -125,6 +126,13 @@ _SAMPLING: dict[str, Any] = {
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     "user": {"type": "string", "description": "Also the routing key when X-Routing-Key is absent"},
+    "cache_salt": {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": MAX_CACHE_SALT,
+        "description": "vLLM's prefix-cache salt: cached prompt tokens are shared only with requests of the same "
+        "tenant and salt",
+    },
     "frequency_penalty": {
         "type": "number",
         "minimum": -2,

@@ -285,6 +285,7 @@ class RestServer:
             deadline=time.monotonic() + timeout,
             protocol=Origin.REST,
             routing_key=headers.get("X-Routing-Key") or body.user,
+            cache_salt=body.cache_salt,
             trace_context=carrier,
         )
         requests = choice_requests(greq, body.n)

@@ -29,6 +29,8 @@ _MAX_LOGPROBS = 20
 # Choices per request (`n`): OpenAI allows up to 128, vLLM up to VLLM_MAX_N_SEQUENCES (16384). Each choice is a
 # request of its own in the tenant's queue (protocols/rest_choices.py), and a tenant's default queue depth is 64.
 MAX_CHOICES = 16
+# vLLM's cache_salt is a secret of the client's (it suggests 43 base64 characters); bounded as the body is.
+MAX_CACHE_SALT = 1024
 # OpenAI's logit_bias: at most 300 token ids, written in decimal (no leading zeros, so each names one id; nine
 # digits at most, past any vocabulary and within the wire's uint32), each biased within [-100, 100].
 _MAX_LOGIT_BIAS = 300
@@ -69,6 +71,7 @@ class ParsedBody:
     include_usage: bool
     user: str | None
     n: int = 1  # choices
+    cache_salt: str | None = None
 
 
 def parse_chat(data: object, base_name: str) -> ParsedBody:
@@ -159,6 +162,9 @@ def _common(
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise _bad("user must be a string", "user")
+    cache_salt = body.get("cache_salt")
+    if cache_salt is not None and not (isinstance(cache_salt, str) and 0 < len(cache_salt) <= MAX_CACHE_SALT):
+        raise _bad(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters", "cache_salt")
     # vLLM's sampling extensions, which vLLM clients send, that the engine has no knob for.
     for name, accepted in _VLLM_NO_OPS.items():
         _no_op(body, name, f"{name} is not supported (a vLLM extension)", *accepted)
@@ -193,6 +199,7 @@ def _common(
         include_usage=include_usage,
         user=user,
         n=n,
+        cache_salt=cache_salt,
     )
 
 

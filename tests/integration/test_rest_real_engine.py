@@ -7,6 +7,7 @@ import functools
 import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -267,6 +268,13 @@ def test_a_shared_system_prompt_is_reported_as_cached_tokens(client: openai.Open
     assert usages[0].prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
     cached = usages[1].prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
     assert cached is not None and 16 <= cached < usages[1].prompt_tokens
+    # Under a salt of its own (vLLM's cache_salt), the same prompt reads nothing cached under another.
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Who keeps a lighthouse?"}]
+    salted = client.chat.completions.create(
+        model="pirate", messages=messages, max_tokens=4, temperature=0, extra_body={"cache_salt": "tenant-secret"}
+    )
+    assert salted.usage is not None and salted.usage.prompt_tokens_details is not None
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
     # The replica's counters reach /metrics at its next Stats poll (every second).
     hits_line = 'adaptergate_engine_prefix_cache_hits_total{replica="engine-0"} '
     deadline = time.monotonic() + 10
@@ -287,7 +295,16 @@ def _sampled(client: openai.OpenAI, model: str, seed: int, n: int = 1) -> ChatCo
         temperature=1.0,
         seed=seed,
         n=n,
+        extra_body=_comparable(),
     )
+
+
+def _comparable() -> dict[str, object]:
+    """Settings for sampled replies compared across requests. On the CPU a batch's composition (and keys read
+    from the prefix cache rather than prefilled) changes the logits' last bits, and a draw over the whole
+    vocabulary's long tail flips on that now and then (seen within 5 tokens); over the top 5 tokens it would
+    take a draw within ~1e-6 of a boundary. A cache salt of its own has the prompt prefilled whole."""
+    return {"top_k": 5, "cache_salt": uuid.uuid4().hex}
 
 
 def test_n_seeded_choices_differ_and_each_is_the_single_request_with_seed_plus_i(client: openai.OpenAI) -> None:
@@ -324,6 +341,7 @@ def test_n_streamed_choices_are_the_whole_replys(client: openai.OpenAI) -> None:
         n=2,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body=_comparable(),
     )
     chunks = list(stream)
     texts = ["", ""]

@@ -21,9 +21,10 @@ CPU = torch.device("cpu")
 SYSTEM = list(range(100, 100 + 2 * BLOCK + 5))  # a shared 37-token start
 
 
-def _seq(prompt: list[int], adapter_id: int = 0) -> Sequence:
+def _seq(prompt: list[int], adapter_id: int = 0, salt: str = "") -> Sequence:
     adapter = cast(AdapterVersion, type("Version", (), {"id": adapter_id})()) if adapter_id else None
     return Sequence(
+        cache_salt=salt,
         request_id=f"r{id(prompt)}",
         prompt_ids=list(prompt),
         params=SamplingParams(max_tokens=8),
@@ -84,8 +85,19 @@ def test_keys_computed_under_another_adapter_are_not_reused() -> None:
     tuned = _seq([*SYSTEM, 1], adapter_id=7)
     _admit(cache, tuned)
     _finish(cache, tuned, [2])
-    assert cache.lookup(_seq([*SYSTEM, 3], adapter_id=7)) == PrefixHit(tuned.kv_slot, len(SYSTEM), 7)
-    assert cache.lookup(_seq([*SYSTEM, 3])) == PrefixHit(base.kv_slot, len(SYSTEM), 0)
+    assert cache.lookup(_seq([*SYSTEM, 3], adapter_id=7)) == PrefixHit(tuned.kv_slot, len(SYSTEM), (7, ""))
+    assert cache.lookup(_seq([*SYSTEM, 3])) == PrefixHit(base.kv_slot, len(SYSTEM), (0, ""))
+
+
+def test_prompts_share_cached_tokens_only_under_the_same_salt() -> None:
+    # A tenant must not learn, from a faster first token, that another tenant sent the same prompt.
+    cache = PrefixCache(_kv(), enabled=True)
+    alice = _seq([*SYSTEM, 1], salt="alice")
+    _admit(cache, alice)
+    _finish(cache, alice, [2])
+    assert cache.lookup(_seq([*SYSTEM, 3], salt="bob")).tokens == 0
+    assert cache.lookup(_seq([*SYSTEM, 3])).tokens == 0
+    assert cache.lookup(_seq([*SYSTEM, 3], salt="alice")) == PrefixHit(alice.kv_slot, len(SYSTEM), (0, "alice"))
 
 
 def test_a_prefix_shorter_than_a_block_is_not_looked_up() -> None:

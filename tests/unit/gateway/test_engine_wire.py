@@ -48,3 +48,13 @@ def test_defaults_are_the_engines_no_ops() -> None:
     assert EngineService(engine)._sampling(pb.SamplingParams(), 3).repetition_penalty == 1.0  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="repetition_penalty"):
         EngineService(engine)._sampling(pb.SamplingParams(repetition_penalty=0.0), 3).validate()  # type: ignore[arg-type]
+
+
+def test_the_engines_cache_salt_is_the_tenant_and_the_clients_salt() -> None:
+    def salt(tenant: str, client_salt: str | None) -> str:
+        request = GatewayRequest("r", tenant, None, prompt="x", cache_salt=client_salt)
+        return pb.GenerateRequest.FromString(generate_request(request, "").SerializeToString()).cache_salt
+
+    salts = [salt("alice", None), salt("bob", None), salt("alice", "s"), salt("alice", ""), salt('alice", "s', None)]
+    assert len(set(salts)) == len(salts)  # tenants never share, nor do a tenant's salts, whatever their text
+    assert salt("alice", "s") == salt("alice", "s")

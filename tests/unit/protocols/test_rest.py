@@ -192,6 +192,9 @@ async def test_completion_stream_without_usage(
         ("/v1/chat/completions", _chat(messages=[{"role": "robot", "content": "x"}]), "messages[0].role", "role"),
         ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": 5}]), "messages[0].content", "content"),
         ("/v1/chat/completions", _chat(n=17), "n", "n must be at most 16, got 17"),
+        ("/v1/chat/completions", _chat(cache_salt=""), "cache_salt", "cache_salt must be a non-empty string"),
+        ("/v1/chat/completions", _chat(cache_salt=7), "cache_salt", "cache_salt must be a non-empty string"),
+        ("/v1/completions", {"model": "base", "prompt": "x", "cache_salt": "s" * 1025}, "cache_salt", "at most 1024"),
         ("/v1/chat/completions", _chat(n=0), "n", "n must be at least 1, got 0"),
         ("/v1/chat/completions", _chat(n=2.0), "n", "n must be an integer"),
         ("/v1/completions", {"model": "base", "prompt": "x", "n": 100}, "n", "n must be at most 16, got 100"),
@@ -271,6 +274,17 @@ async def test_no_op_values_of_unsupported_fields_are_accepted(
     async with http.post(f"{url}/v1/completions", json=body, headers=KEY) as r:
         assert r.status == 200
     assert gateway.requests[0].sampling.max_tokens == 5  # max_completion_tokens wins
+
+
+async def test_a_cache_salt_reaches_the_gateway_request(
+    rest: tuple[RestServer, FakeGateway, str], http: aiohttp.ClientSession
+) -> None:
+    _, gateway, url = rest
+    async with http.post(f"{url}/v1/chat/completions", json=_chat(cache_salt="s3cret"), headers=KEY) as r:
+        assert r.status == 200
+    async with http.post(f"{url}/v1/chat/completions", json=_chat(), headers=KEY) as r:
+        assert r.status == 200
+    assert [request.cache_salt for request in gateway.requests] == ["s3cret", None]
 
 
 @pytest.mark.parametrize(
