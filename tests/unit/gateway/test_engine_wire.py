@@ -48,3 +48,14 @@ def test_defaults_are_the_engines_no_ops() -> None:
     assert EngineService(engine)._sampling(pb.SamplingParams(), 3).repetition_penalty == 1.0  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="repetition_penalty"):
         EngineService(engine)._sampling(pb.SamplingParams(repetition_penalty=0.0), 3).validate()  # type: ignore[arg-type]
+
+
+def test_stop_options_reach_the_engine() -> None:
+    sent = SamplingParams(max_tokens=9, ignore_eos=True, stop_token_ids=(7, 2, 7), include_stop_str_in_output=True)
+    got = _engine_side(sent)
+    assert (got.ignore_eos, got.stop_token_ids, got.include_stop_str_in_output) == (True, (7, 2, 7), True)
+    got.validate(vocab_size=8)
+    with pytest.raises(ValueError, match=r"token_id\(s\) \[7\] in stop_token_ids contain out-of-vocab token ids"):
+        got.validate(vocab_size=7)
+    off = _engine_side(SamplingParams())
+    assert (off.ignore_eos, off.stop_token_ids, off.include_stop_str_in_output) == (False, (), False)
