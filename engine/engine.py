@@ -490,21 +490,27 @@ class LLMEngine:
             return
         seq.output_ids.append(token)
         self.tokens_generated += 1
+        if token in params.stop_token_ids:
+            # vLLM's: a stop token is an output token (counted, with its log-probabilities) whose text is left
+            # out unless asked for; a stop string it would complete does not matter, it ends the request anyway.
+            if params.include_stop_str_in_output:
+                seq.decoder.push(token)
+            self._finish(seq, "stop", new_token=token, logprobs=logprobs)
+            return
         added = seq.decoder.push(token)
         text = seq.decoder.text
         # A stop string counts where it ends in this token's text: one that ended earlier was found then, or
         # fell within min_tokens, which holds stop strings off as it holds end tokens (vLLM's rule).
         if params.stop and len(seq.output_ids) > params.min_tokens:
-            before = len(text) - len(added)
-            hits = [i for i in (text.find(s, max(0, before - len(s) + 1)) for s in params.stop) if i >= 0]
-            if hits:
-                self._finish(seq, "stop", text_end=min(hits), new_token=token, logprobs=logprobs)
+            end = seq.stop_string_end(len(text) - len(added))
+            if end is not None:
+                self._finish(seq, "stop", text_end=end, new_token=token, logprobs=logprobs)
                 return
         if len(seq.output_ids) >= params.max_tokens or seq.context_len >= self.max_model_len:
             self._finish(seq, "length", new_token=token, logprobs=logprobs)
             return
         # Hold back a possible stop-string prefix until it is ruled out.
-        safe_end = len(text) - (seq.max_stop_len - 1 if params.stop else 0)
+        safe_end = len(text) - seq.held_back
         delta = text[seq.emitted_chars : safe_end] if safe_end > seq.emitted_chars else ""
         seq.emitted_chars += len(delta)
         entries = () if logprobs is None else (logprobs,)

@@ -7,7 +7,8 @@ For one row, with `output` the tokens its request generated so far and `prompt` 
     logits[t] += logit_bias[t]
     for t in set(prompt + output):   logits[t] = logits[t] / repetition if logits[t] > 0 else logits[t] * repetition
     for t in output:                 logits[t] -= frequency * count(t in output) + presence   (once per token)
-    if len(output) < min_tokens:     logits[eos] = -inf   (each end-of-sequence id, unless ignore_eos)
+    if len(output) < min_tokens:     logits[end] = -inf   (each stop_token_ids id, and each end-of-sequence id
+                                                           unless ignore_eos)
 
 This comes before everything else the sampler does, so it changes greedy rows too (min-p is a cut of the
 sampler's, after temperature: engine/sampling.py). The rows are processed on the device, together, on a
@@ -48,7 +49,7 @@ def _needs_processing(seq: Sequence, eos_ids: Collection[int], in_flight: bool =
     """Whether `seq`'s next logits are processed: it asks for penalties or logit_bias, or is short of its
     min_tokens (`in_flight`: one more token was generated than its output holds)."""
     p = seq.params
-    return p.penalized or bool(p.logit_bias) or _blocks_end(p, len(seq.output_ids) + in_flight, eos_ids)
+    return p.penalized or bool(p.logit_bias) or bool(_blocked_ends(p, len(seq.output_ids) + in_flight, eos_ids))
 
 
 def process_logits(
@@ -70,8 +71,12 @@ def process_logits(
     return plan.run(logits, previous.tokens if previous is not None else None)
 
 
-def _blocks_end(params: SamplingParams, generated: int, eos_ids: Collection[int]) -> bool:
-    return generated < params.min_tokens and not params.ignore_eos and bool(eos_ids)
+def _blocked_ends(params: SamplingParams, generated: int, eos_ids: Collection[int]) -> list[int]:
+    """The tokens that would end a request that has generated `generated` tokens and that min_tokens holds off
+    (vLLM's `all_stop_token_ids`, less the end-of-sequence ids where ignore_eos makes them no end)."""
+    if generated >= params.min_tokens:
+        return []
+    return sorted(set(params.stop_token_ids).union(() if params.ignore_eos else eos_ids))
 
 
 @dataclass
@@ -105,8 +110,7 @@ class _Plan:
         self.penalties += [p.frequency_penalty, p.presence_penalty, p.repetition_penalty]
         self.bias.add(row, [t for t, _ in p.logit_bias])
         self.biases += [b for _, b in p.logit_bias]
-        if _blocks_end(p, len(seq.output_ids) + (pending is not None), eos_ids):
-            self.ends.add(row, sorted(eos_ids))
+        self.ends.add(row, _blocked_ends(p, len(seq.output_ids) + (pending is not None), eos_ids))
         if p.penalized:
             self.output.add(row, seq.output_ids)
             if pending is not None:
@@ -178,6 +182,7 @@ def reference_process(
         out[token] = value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
     for token in set(output):
         out[token] -= params.frequency_penalty * output.count(token) + params.presence_penalty
-    if _blocks_end(params, len(output), eos_ids):
-        out[sorted(eos_ids)] = float("-inf")
+    ends = _blocked_ends(params, len(output), eos_ids)
+    if ends:
+        out[ends] = float("-inf")
     return out

@@ -12,6 +12,8 @@ from engine.uploads import upload
 
 # OpenAI's bound on logit_bias entries per request; each bias lies within [-100, 100].
 MAX_LOGIT_BIAS = 300
+# Ours on stop_token_ids (vLLM sets none): each id is checked on admission and masked under min_tokens.
+MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +38,13 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # vLLM's: drop tokens less likely than min_p times the top token (sampled rows, after temperature) ...
     min_p: float = 0.0
-    # ... and no end (end-of-sequence token, stop string) before this many tokens.
+    # ... and no end (end-of-sequence token, stop token, stop string) before this many tokens.
     min_tokens: int = 0
+    # vLLM's: sampling one of these ends the request ("stop", ignore_eos or not); the token is counted and
+    # has its log-probabilities, its text is left out unless include_stop_str_in_output, which also keeps
+    # the stop string that ends a request in its text.
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -49,7 +56,8 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the bad field; with `vocab_size`, logit_bias ids are checked against it."""
+        """Raise ValueError naming the bad field; with `vocab_size`, logit_bias and stop_token_ids ids are checked
+        against it."""
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
@@ -74,6 +82,7 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be within [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         self._validate_logit_bias(vocab_size)
+        self._validate_stop_token_ids(vocab_size)
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
@@ -87,6 +96,16 @@ class SamplingParams:
         if outside:  # vLLM's words
             size = f" Vocabulary size: {vocab_size}" if vocab_size is not None else ""
             raise ValueError(f"token_id(s) {outside} in logit_bias contain out-of-vocab token ids.{size}")
+
+    def _validate_stop_token_ids(self, vocab_size: int | None) -> None:
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}"
+            )
+        outside = sorted({t for t in self.stop_token_ids if t < 0 or (vocab_size is not None and t >= vocab_size)})
+        if outside:
+            size = f" Vocabulary size: {vocab_size}" if vocab_size is not None else ""
+            raise ValueError(f"token_id(s) {outside} in stop_token_ids contain out-of-vocab token ids.{size}")
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -71,5 +71,21 @@ class Sequence:
         return self.prefilled == len(self.prompt_ids)
 
     @property
-    def max_stop_len(self) -> int:
-        return max((len(s) for s in self.params.stop), default=0)
+    def held_back(self) -> int:
+        """How many characters at the end of the text wait, as they may begin a stop string left out of the
+        output. A stop string kept in the output holds nothing back: the text is cut at its end, past what was
+        sent (vLLM's stop buffer)."""
+        p = self.params
+        if not p.stop or p.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in p.stop) - 1
+
+    def stop_string_end(self, before: int) -> int | None:
+        """Where the text ends if a stop string ends in it past `before` (its length before the newest token): at
+        the start of the first one, or with include_stop_str_in_output at the end of the first to end; None if
+        none does."""
+        text, p = self.decoder.text, self.params
+        hits = [(i, i + len(s)) for s in p.stop if (i := text.find(s, max(0, before - len(s) + 1))) >= 0]
+        if not hits:
+            return None
+        return min(end for _, end in hits) if p.include_stop_str_in_output else min(i for i, _ in hits)

@@ -161,6 +161,8 @@ class EngineService(pb_grpc.EngineServicer):
             logit_bias=tuple(sorted(s.logit_bias.items())),
             min_p=s.min_p,
             min_tokens=s.min_tokens,
+            stop_token_ids=tuple(s.stop_token_ids),
+            include_stop_str_in_output=s.include_stop_str_in_output,
         )
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:

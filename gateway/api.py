@@ -51,6 +51,11 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
     min_tokens: int = 0
+    # vLLM's: end tokens that do not end the reply, token ids that do (their text left out), and stop strings
+    # (and stop tokens' text) kept in the reply.
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
 
 
 @dataclass(frozen=True, slots=True)

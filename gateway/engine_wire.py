@@ -31,6 +31,9 @@ def generate_request(request: GatewayRequest, engine_name: str) -> pb.GenerateRe
         logit_bias=dict(s.logit_bias),
         min_p=s.min_p,
         min_tokens=s.min_tokens,
+        ignore_eos=s.ignore_eos,
+        stop_token_ids=s.stop_token_ids,
+        include_stop_str_in_output=s.include_stop_str_in_output,
     )
     if s.seed is not None:
         # Clients send int64 seeds (OpenAI's range, negatives included); the wire's uint64 takes them mod 2^64,

@@ -16,6 +16,8 @@ from protocols.rest_input import (
     _MAX_MIN_TOKENS,
     _MAX_SEED,
     _MAX_STOP,
+    _MAX_STOP_TOKEN_IDS,
+    _MAX_TOKEN_ID,
     _MAX_TOP_K,
     _MIN_SEED,
     _TOKEN_ID,
@@ -171,13 +173,28 @@ _SAMPLING: dict[str, Any] = {
         "type": "integer",
         "minimum": 0,
         "maximum": _MAX_MIN_TOKENS,
-        "description": "Extension (vLLM): no end-of-sequence token and no stop string before this many tokens; "
-        "at most max_tokens (a 400 otherwise)",
+        "description": "Extension (vLLM): no end-of-sequence token, no stop_token_ids token and no stop string "
+        "before this many tokens; at most max_tokens (a 400 otherwise)",
+    },
+    "ignore_eos": {
+        "type": "boolean",
+        "description": "Extension (vLLM): the end-of-sequence token does not end the reply, which goes on to "
+        "max_tokens unless stop or stop_token_ids ends it",
+    },
+    "stop_token_ids": {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": _MAX_TOKEN_ID},
+        "maxItems": _MAX_STOP_TOKEN_IDS,
+        "description": "Extension (vLLM): sampling one of these token ids ends the reply (finish_reason stop, "
+        "ignore_eos or not); the token counts in the usage and has its logprobs, its text is left out unless "
+        "include_stop_str_in_output; an id past the vocabulary is a 400",
+    },
+    "include_stop_str_in_output": {
+        "type": "boolean",
+        "description": "Extension (vLLM): the stop string (or stop_token_ids token) that ends the reply stays in "
+        "its text",
     },
     # vLLM's sampling extensions the engine has no knob for (rest_input._VLLM_NO_OPS).
-    "ignore_eos": _unsupported({"type": "boolean", "const": False}, "false"),
-    "stop_token_ids": _unsupported({"type": "array", "maxItems": 0}, "[]"),
-    "include_stop_str_in_output": _unsupported({"type": "boolean", "const": False}, "false"),
     "use_beam_search": _unsupported({"type": "boolean", "const": False}, "false"),
     **{f"guided_{kind}": _unsupported({"type": "null"}, "null") for kind in ("json", "regex", "choice", "grammar")},
     "prompt_logprobs": _unsupported({"type": "null"}, "null"),
@@ -372,7 +389,15 @@ def _schemas() -> dict[str, Any]:
                     "repetition_penalty": 1.1,
                     "min_tokens": 8,
                     "logit_bias": {"2": -100},
-                }
+                },
+                {
+                    "model": "base",
+                    "prompt": "Q: What is the capital of France?\nA:",
+                    "max_tokens": 32,
+                    "stop": ["."],
+                    "include_stop_str_in_output": True,
+                    "stop_token_ids": [2],
+                },
             ],
         ),
         "ChatCompletion": reply("chat.completion", _object(chat_choice, tuple(chat_choice)), chunk=False),

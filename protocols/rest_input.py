@@ -35,11 +35,12 @@ MAX_CACHE_SALT = 1024
 # digits at most, past any vocabulary and within the wire's uint32), each biased within [-100, 100].
 _MAX_LOGIT_BIAS = 300
 _TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,8}")
+_MAX_TOKEN_ID = 10**9 - 1
+# vLLM's stop_token_ids: at most 64 token ids (ours; vLLM sets no bound), each within the same range; ids past
+# the vocabulary are the engine's to refuse (it knows the vocabulary).
+_MAX_STOP_TOKEN_IDS = 64
 # vLLM's extra sampling fields -> their no-op values (null is one too). top_k is honoured, its -1 ("off") included.
 _VLLM_NO_OPS: dict[str, tuple[object, ...]] = {
-    "ignore_eos": (False,),
-    "stop_token_ids": ([],),
-    "include_stop_str_in_output": (False,),
     "use_beam_search": (False,),
     "guided_json": (),
     "guided_regex": (),
@@ -87,9 +88,7 @@ def parse_chat(data: object, base_name: str) -> ParsedBody:
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise _bad('only response_format {"type": "text"} is supported', "response_format")
-    logprobs = body.get("logprobs")
-    if logprobs is not None and not isinstance(logprobs, bool):
-        raise _bad("logprobs must be true or false", "logprobs")
+    logprobs = _flag(body, "logprobs")
     top = _logprobs_count(body, "top_logprobs")
     if top and not logprobs:  # 0 changes nothing, and vLLM accepts it alone
         raise _bad("top_logprobs needs logprobs to be true", "top_logprobs")
@@ -146,11 +145,7 @@ def _common(
     if not isinstance(model, str) or not model:
         raise _bad("model is required: 'base', 'base:ADAPTER' or 'ADAPTER'", "model")
     n = _int(body, "n", 1, MAX_CHOICES) or 1
-    stream = body.get("stream")
-    if stream is None:
-        stream = False
-    elif not isinstance(stream, bool):
-        raise _bad("stream must be true or false", "stream")
+    stream = _flag(body, "stream")
     include_usage = False
     options = body.get("stream_options")
     if options is not None:
@@ -188,6 +183,9 @@ def _common(
         logit_bias=_logit_bias(body.get("logit_bias")),
         min_p=_number(body, "min_p", 0.0, 1.0) or 0.0,
         min_tokens=min_tokens or 0,
+        ignore_eos=_flag(body, "ignore_eos"),
+        stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
+        include_stop_str_in_output=_flag(body, "include_stop_str_in_output"),
     )
     return ParsedBody(
         model=model,
@@ -252,6 +250,14 @@ def _int(body: dict[str, Any], name: str, minimum: int | None, maximum: int | No
     return value
 
 
+def _flag(body: dict[str, Any], name: str) -> bool:
+    """A boolean field; absent or null is false."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise _bad(f"{name} must be true or false", name)
+    return bool(value)
+
+
 def _logprobs_count(body: dict[str, Any], name: str) -> int | None:
     """A count of most likely tokens to return beside each sampled one: 0 to 20; above, refused in vLLM's words."""
     count = _int(body, name, 0)
@@ -297,6 +303,22 @@ def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
             raise _bad(f"logit_bias keys must be token ids (integers from 0 to 999999999), got {key!r}", "logit_bias")
         out.append((int(key), _bounded(bias, f"logit_bias[{key!r}]", "logit_bias", -100.0, 100.0)))
     return tuple(out)
+
+
+def _stop_token_ids(value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if (
+        not isinstance(value, list)
+        or len(value) > _MAX_STOP_TOKEN_IDS
+        or not all(type(t) is int and 0 <= t <= _MAX_TOKEN_ID for t in value)
+    ):
+        raise _bad(
+            f"stop_token_ids must be an array of at most {_MAX_STOP_TOKEN_IDS} token ids "
+            f"(integers from 0 to {_MAX_TOKEN_ID})",
+            "stop_token_ids",
+        )
+    return tuple(value)
 
 
 def _stop(value: object) -> tuple[str, ...]:

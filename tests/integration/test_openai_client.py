@@ -150,11 +150,11 @@ def test_every_usable_model_name_can_be_retrieved(client: openai.OpenAI, model: 
 def test_vllm_extras_are_refused_unless_they_change_nothing(client: openai.OpenAI) -> None:
     # vLLM clients send these through extra_body; they were ignored, changing the answer unannounced.
     messages = [{"role": "user", "content": "x"}]
-    for name, value in (("ignore_eos", True), ("guided_choice", ["a"])):
+    for name, value in (("use_beam_search", True), ("guided_choice", ["a"])):
         with pytest.raises(openai.BadRequestError, match=f"{name} is not supported") as refused:
             client.chat.completions.create(model="base", messages=messages, extra_body={name: value})
         assert refused.value.param == name
-    no_ops = {"ignore_eos": False, "guided_choice": None, "top_k": -1}
+    no_ops = {"use_beam_search": False, "guided_choice": None, "top_k": -1}
     reply = client.completions.create(model="base", prompt="x", max_tokens=2, extra_body=no_ops)
     assert reply.choices[0].text == "tok tok "
 
@@ -162,7 +162,14 @@ def test_vllm_extras_are_refused_unless_they_change_nothing(client: openai.OpenA
 def test_penalties_logit_bias_and_vllm_sampling_extras_are_accepted_within_their_ranges(client: openai.OpenAI) -> None:
     # They were refused unless they changed nothing (the engine applies them: test_rest_real_engine.py).
     messages: Any = [{"role": "user", "content": "x"}]
-    extras = {"repetition_penalty": 1.2, "min_p": 0.05, "min_tokens": 2}
+    extras = {
+        "repetition_penalty": 1.2,
+        "min_p": 0.05,
+        "min_tokens": 2,
+        "ignore_eos": True,
+        "stop_token_ids": [7, 8],
+        "include_stop_str_in_output": True,
+    }
     reply = client.chat.completions.create(
         model="base",
         messages=messages,
@@ -173,7 +180,16 @@ def test_penalties_logit_bias_and_vllm_sampling_extras_are_accepted_within_their
         extra_body=extras,
     )
     assert reply.choices[0].message.content == "tok tok "
-    for name, value in (("frequency_penalty", 2.5), ("repetition_penalty", 0), ("min_p", 2), ("min_tokens", 3)):
+    for name, value in (
+        ("frequency_penalty", 2.5),
+        ("repetition_penalty", 0),
+        ("min_p", 2),
+        ("min_tokens", 3),
+        ("ignore_eos", "yes"),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", ["7"]),
+        ("include_stop_str_in_output", 1),
+    ):
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model="base", prompt="x", max_tokens=2, extra_body={name: value})
         assert refused.value.param == name

@@ -356,6 +356,99 @@ def test_n_streamed_choices_are_the_whole_replys(client: openai.OpenAI) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
 
 
+def _single_token_id(text: str) -> int:
+    """The id of the token that is `text` on its own."""
+    ids = _tokenizer().encode(text)
+    assert len(ids) == 1 and _tokenizer().piece(ids[0])[0] == text, (text, ids)
+    return ids[0]
+
+
+def test_a_stop_token_ends_the_reply_right_there_whole_and_streamed(client: openai.OpenAI) -> None:
+    prompt = "The capital of France is"
+    plain = _completion_tokens(client, prompt, max_tokens=12)
+    k = next(k for k in range(2, len(plain)) if plain[k] not in plain[:k] and plain[k].strip())
+    stop = _single_token_id(plain[k])
+    for include in (False, True):
+        request: dict[str, Any] = {
+            "model": "base",
+            "prompt": prompt,
+            "max_tokens": 12,
+            "temperature": 0,
+            "extra_body": {"stop_token_ids": [stop], "include_stop_str_in_output": include},
+        }
+        reply = client.completions.create(**request, logprobs=0)
+        choice = reply.choices[0]
+        # Its text is left out unless asked for; it is counted, and has its logprobs, either way (vLLM's rule).
+        assert choice.text == "".join(plain[: k + 1 if include else k]) and choice.finish_reason == "stop"
+        assert reply.usage is not None and reply.usage.completion_tokens == k + 1
+        assert choice.logprobs is not None and choice.logprobs.tokens == plain[: k + 1]
+        chunks = list(client.completions.create(**request, stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_whole_and_streamed(client: openai.OpenAI) -> None:
+    messages: Any = [{"role": "user", "content": PROMPT}]
+    full = _greedy(client, "base")
+    assert "Paris" in full
+    for include in (False, True):
+        request: dict[str, Any] = {
+            "model": "base",
+            "messages": messages,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "stop": ["Paris"],
+            "extra_body": {"include_stop_str_in_output": include},
+        }
+        expected = full[: full.index("Paris") + (len("Paris") if include else 0)]
+        reply = client.chat.completions.create(**request)
+        assert reply.choices[0].message.content == expected and reply.choices[0].finish_reason == "stop"
+        chunks = list(client.chat.completions.create(**request, stream=True))
+        parts = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        assert "".join(parts) == expected  # nothing past the stop string (or its end) was ever streamed
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_ignore_eos_runs_past_the_end_token_up_to_max_tokens(client: openai.OpenAI) -> None:
+    messages: Any = [{"role": "user", "content": PROMPT}]
+    ended = client.chat.completions.create(model="base", messages=messages, max_tokens=40, temperature=0)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage is not None and ended.usage.completion_tokens < 40
+    for stream in (False, True):
+        request: dict[str, Any] = {"model": "base", "messages": messages, "max_tokens": 40, "temperature": 0}
+        if stream:
+            chunks = list(
+                client.chat.completions.create(
+                    **request, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+                )
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            usage = chunks[-1].usage
+        else:
+            reply = client.chat.completions.create(**request, extra_body={"ignore_eos": True})
+            text, finish, usage = reply.choices[0].message.content or "", reply.choices[0].finish_reason, reply.usage
+        assert finish == "length" and usage is not None and usage.completion_tokens == 40
+        assert text.startswith(ended.choices[0].message.content or "") and len(text) > len(
+            ended.choices[0].message.content or ""
+        )
+
+
+def test_stop_token_ids_past_the_vocabulary_are_a_400(client: openai.OpenAI) -> None:
+    vocab = _tokenizer().vocab_size
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match=rf"\[{vocab}\] in stop_token_ids contain out-of-vocab"):
+            client.completions.create(
+                model="base", prompt="x", max_tokens=2, stream=stream, extra_body={"stop_token_ids": [5, vocab]}
+            )
+    with pytest.raises(openai.BadRequestError, match="stop_token_ids must be an array") as refused:
+        client.completions.create(model="base", prompt="x", max_tokens=2, extra_body={"stop_token_ids": [-5]})
+    assert refused.value.param == "stop_token_ids"
+    reply = client.completions.create(
+        model="base", prompt="x", max_tokens=2, extra_body={"stop_token_ids": [vocab - 1]}
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
 def test_engine_refusals_keep_their_meaning(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError, match="adapter 'kraken' not found"):
         _greedy(client, "kraken")

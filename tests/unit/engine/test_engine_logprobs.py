@@ -33,12 +33,22 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("logprobs-model"))
 
 
+def tiny_engine(model: Path, async_steps: str, max_num_seqs: int = 8) -> LLMEngine:
+    """An engine on the tiny model, on the CPU in float32, stepping synchronously or not (`async_steps`)."""
+    config = EngineConfig(
+        model=str(model),
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=max_num_seqs,
+        max_model_len=64,
+        async_steps=async_steps,
+    )
+    return LLMEngine(config)
+
+
 @pytest.fixture(params=["off", "on"], ids=["sync-steps", "async-steps"])
 def engine(request: pytest.FixtureRequest, model: Path) -> Iterator[LLMEngine]:
-    config = EngineConfig(
-        model=str(model), device="cpu", dtype="float32", max_num_seqs=6, max_model_len=64, async_steps=request.param
-    )
-    eng = LLMEngine(config)
+    eng = tiny_engine(model, request.param, max_num_seqs=6)
     yield eng
     eng.stop()
 

@@ -10,13 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import LLMEngine
 from engine.logits_processing import reference_process
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 from tests.support.random_model import write_tiny_llama
-from tests.unit.engine.test_engine_logprobs import PROMPT, Request, check_logprobs, run_recorded
+from tests.unit.engine.test_engine_logprobs import PROMPT, Request, check_logprobs, run_recorded, tiny_engine
 
 EOS = 1  # the tiny tokenizer's </s>
 REQUESTS = {
@@ -37,20 +35,13 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("penalties-model"))
 
 
-def _engine(model: Path, async_steps: str) -> LLMEngine:
-    config = EngineConfig(
-        model=str(model), device="cpu", dtype="float32", max_num_seqs=8, max_model_len=64, async_steps=async_steps
-    )
-    return LLMEngine(config)
-
-
 @pytest.fixture(scope="module")
 def runs(model: Path) -> Iterator[dict[str, tuple[dict[str, list[RequestOutput]], dict[str, list[torch.Tensor]]]]]:
     """Every request's outputs and raw logits rows, with sync and with async steps, all requests in one batch."""
     requests: dict[str, Request] = {rid: (PROMPT, None, params) for rid, params in REQUESTS.items()}
     out = {}
     for mode in ("off", "on"):
-        engine = _engine(model, mode)
+        engine = tiny_engine(model, mode)
         try:
             out[mode] = run_recorded(engine, requests)
         finally:
@@ -115,7 +106,7 @@ def test_logprobs_stay_those_of_the_raw_rows(
 def test_min_tokens_holds_stop_strings_off_as_vllm_does(model: Path) -> None:
     """A stop string counts only where it ends in the text of a token past min_tokens; once held off, an earlier
     occurrence is not found later."""
-    engine = _engine(model, "off")
+    engine = tiny_engine(model, "off")
     try:
         (probe,) = [run_recorded(engine, {"probe": (PROMPT, None, SamplingParams(max_tokens=12))})[0]["probe"]]
         words = [o.text for o in probe]

@@ -51,6 +51,9 @@ ROWS = [
     (_p(min_tokens=4, ignore_eos=True), []),  # the end tokens are ordinary tokens: nothing to block
     (_p(min_tokens=5, logit_bias=((2, 50.0),), repetition_penalty=1.2, presence_penalty=0.5), [2, 3]),
     (_p(temperature=0.9), []),
+    (_p(min_tokens=3, stop_token_ids=(7, 40, 2)), [6]),  # stop tokens are blocked with the end tokens
+    (_p(min_tokens=4, ignore_eos=True, stop_token_ids=(5, 9)), []),  # stop tokens only, an end token among them
+    (_p(min_tokens=1, stop_token_ids=(7,)), [6]),  # reached: left alone
 ]
 
 
@@ -67,7 +70,7 @@ def test_many_rows_at_once_match_the_per_row_reference() -> None:
     raw = logits.clone()
     processed = process_logits(logits, seqs, EOS)
     assert processed is not None
-    assert processed.rows == [1, 2, 3, 4, 5, 6, 7, 10]  # exactly the rows that use something
+    assert processed.rows == [1, 2, 3, 4, 5, 6, 7, 10, 12, 13]  # exactly the rows that use something
     assert processed.index.tolist() == processed.rows
     assert torch.equal(logits, raw)  # the step's logits stay the model's: log-probabilities read them
     for j, row in enumerate(processed.rows):
@@ -75,7 +78,11 @@ def test_many_rows_at_once_match_the_per_row_reference() -> None:
         want = reference_process(raw[row], p, seqs[row].prompt_ids, out, EOS)
         torch.testing.assert_close(processed.logits[j], want, rtol=1e-6, atol=1e-5)
         assert not torch.equal(processed.logits[j], raw[row])  # each one really changed
-    assert process_logits(logits, [seqs[0], seqs[8], seqs[9], seqs[11]], EOS) is None
+    assert process_logits(logits, [seqs[0], seqs[8], seqs[9], seqs[11], seqs[14]], EOS) is None
+    blocked = {12: {2, 5, 7, 40}, 13: {5, 9}}  # the end tokens (2, 5) unless ignore_eos, and the stop tokens
+    for j, row in enumerate(processed.rows):
+        if row in blocked:
+            assert set(torch.nonzero(processed.logits[j].isinf()).flatten().tolist()) == blocked[row]
 
 
 def test_the_reference_says_what_the_interface_promises() -> None:
@@ -198,6 +205,8 @@ def test_extreme_repetition_penalties_stay_finite() -> None:
         ({"logit_bias": ((1, 1.0), (1, 2.0))}, "logit_bias"),
         ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
         ({"logit_bias": tuple((i, 1.0) for i in range(301))}, "logit_bias"),
+        ({"stop_token_ids": (3, -1)}, "stop_token_ids"),
+        ({"stop_token_ids": tuple(range(65))}, "stop_token_ids"),
     ],
 )
 def test_invalid_settings_name_the_field(changes: dict[str, object], field: str) -> None:
@@ -211,3 +220,11 @@ def test_logit_bias_ids_past_the_vocabulary_are_named() -> None:
     with pytest.raises(ValueError, match=rf"token_id\(s\) \[{VOCAB}, {VOCAB + 7}\] in logit_bias .* size: {VOCAB}"):
         params.validate(VOCAB)
     _p(logit_bias=((VOCAB - 1, 1.0),), min_tokens=32, min_p=1.0, repetition_penalty=1e-3).validate(VOCAB)
+
+
+def test_stop_token_ids_past_the_vocabulary_are_named() -> None:
+    params = _p(stop_token_ids=(VOCAB + 1, 3, VOCAB, VOCAB))
+    params.validate()  # without a vocabulary, only negative ids are out
+    with pytest.raises(ValueError, match=rf"token_id\(s\) \[{VOCAB}, {VOCAB + 1}\] in stop_token_ids .* size: {VOCAB}"):
+        params.validate(VOCAB)
+    _p(stop_token_ids=tuple(range(VOCAB - 64, VOCAB)), min_tokens=32).validate(VOCAB)  # 64 ids, the last one

@@ -58,3 +58,14 @@ def test_the_engines_cache_salt_is_the_tenant_and_the_clients_salt() -> None:
     salts = [salt("alice", None), salt("bob", None), salt("alice", "s"), salt("alice", ""), salt('alice", "s', None)]
     assert len(set(salts)) == len(salts)  # tenants never share, nor do a tenant's salts, whatever their text
     assert salt("alice", "s") == salt("alice", "s")
+
+
+def test_stop_options_reach_the_engine() -> None:
+    sent = SamplingParams(max_tokens=9, ignore_eos=True, stop_token_ids=(7, 2, 7), include_stop_str_in_output=True)
+    got = _engine_side(sent)
+    assert (got.ignore_eos, got.stop_token_ids, got.include_stop_str_in_output) == (True, (7, 2, 7), True)
+    got.validate(vocab_size=8)
+    with pytest.raises(ValueError, match=r"token_id\(s\) \[7\] in stop_token_ids contain out-of-vocab token ids"):
+        got.validate(vocab_size=7)
+    off = _engine_side(SamplingParams())
+    assert (off.ignore_eos, off.stop_token_ids, off.include_stop_str_in_output) == (False, (), False)

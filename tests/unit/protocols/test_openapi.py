@@ -207,7 +207,7 @@ _POOL: list[object] = [
     [], ["x"], ["a", "b"], ["a", "b", "c", "d", "e"], [1], [[1, 2]], {}, {"a": 1}, {"type": "text"},
     {"type": "json_object"}, {"include_usage": True}, {"include_usage": "yes"}, {"include_usage": None},
     {"0": -100, "50256": 100.0}, {"7": 100.5}, {"7": True}, {"7": None}, {"07": 1}, {"-1": 1}, {"1000000000": 1},
-    {str(i): 1 for i in range(301)},
+    {str(i): 1 for i in range(301)}, [0, 999999999], [-1], [1000000000], [True], [2.0], list(range(65)),
 ]  # fmt: skip
 # Fields whose bound is another field's value, which a schema cannot say: checked without that field here (a base
 # body with it refuses values the schema allows), and against it in test_rest.

@@ -106,11 +106,9 @@ async def test_refusals_echo_the_request_id(url: str, method: str, path: str, st
 
 
 # vLLM's sampling extensions the engine has no knob for: anything but their no-op value would change the answer
-# unannounced. They were ignored silently. (repetition_penalty, min_p and min_tokens are honoured: test_rest_logits.)
+# unannounced. They were ignored silently. (repetition_penalty, min_p, min_tokens and the stop options are
+# honoured: test_rest_logits, test_rest_stops.)
 _VLLM_EXTRAS: list[tuple[str, Any, Any]] = [
-    ("ignore_eos", True, False),
-    ("stop_token_ids", [2], []),
-    ("include_stop_str_in_output", True, False),
     ("use_beam_search", True, False),
     ("guided_json", {"type": "object"}, None),
     ("guided_regex", "[a-z]+", None),
