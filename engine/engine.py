@@ -23,16 +23,17 @@ from engine.adapters import AdapterError
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from engine.eviction import DecayedFrequencyPolicy, LRUPolicy
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, kv_slots
 from engine.loader import load_weights, resolve_model
 from engine.logprobs import TokenLogprobs, read_logprobs
 from engine.lora import LoRAStacks
 from engine.model import DecoderModel
+from engine.outputs import Ending, final_output, take_token
 from engine.pool import AdapterCacheStats, AdapterPool, AdapterVersion
 from engine.prefix_cache import PrefixCache
 from engine.sampling import SamplingParams, make_generator
 from engine.scheduler import Scheduler
-from engine.sequence import OutputSink, RequestOutput, SeqStatus, Sequence
+from engine.sequence import OutputSink, SeqStatus, Sequence
 from engine.step_forward import InFlight, StepForward, StepTrace
 from engine.step_sampling import sample_step
 from engine.tokenizer import IncrementalDecoder, Tokenizer
@@ -100,7 +101,8 @@ class LLMEngine:
             fold_shrinks=config.fold_lora_shrinks == "on",
             lora_gemm=config.lora_gemm == "on",
         )
-        self.kv = KVCache(arch, self._kv_slots(), self.max_model_len, self.dtype, self.device)
+        slots = kv_slots(config, arch, self.max_model_len, self.dtype, self.device)
+        self.kv = KVCache(arch, slots, self.max_model_len, self.dtype, self.device)
         eviction = LRUPolicy() if config.adapter_eviction == "lru" else DecayedFrequencyPolicy()
         loader, self._arena = make_loader(config, self.device, self.dtype, self.stacks.layout)
         self.pool = AdapterPool(arch, self.stacks, self.dtype, config.host_adapter_cache, eviction, loader, self._arena)
@@ -158,25 +160,6 @@ class LLMEngine:
     @prefill_graphs.setter
     def prefill_graphs(self, graphs: PrefillGraphs | None) -> None:
         self.forward.prefill_graphs = graphs
-
-    def _kv_slots(self) -> int:
-        """KV slots: `max_num_seqs`, fewer on a GPU whose free memory cannot hold them."""
-        wanted = self.config.max_num_seqs
-        if self.device.type != "cuda":
-            return wanted
-        free, _ = torch.cuda.mem_get_info(self.device)
-        per_slot = KVCache.bytes_per_token(self.arch, self.dtype) * self.max_model_len
-        # Leave room for activations of a full prefill step (logits over the vocabulary dominate).
-        reserve = self.config.max_num_batched_tokens * self.arch.vocab_size * 4 * 2
-        fit = int((free * self.config.gpu_memory_utilization - reserve) // per_slot) - 1  # - the scratch row
-        if fit < 1:
-            raise ValueError(
-                f"not enough GPU memory for one KV slot of {self.max_model_len} tokens "
-                f"({per_slot / 2**20:.0f} MiB); lower max_model_len"
-            )
-        if fit < wanted:
-            log.warning("GPU memory holds %d KV slots of %d tokens, not %d", fit, self.max_model_len, wanted)
-        return min(wanted, fit)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -484,38 +467,15 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> None:
         """Hand `token` (with its `logprobs` when the request asked) to `seq`: its output, or its end."""
-        params = seq.params
-        if token in self.tokenizer.eos_token_ids and not params.ignore_eos:
-            self._finish(seq, "stop")
+        result = take_token(seq, token, logprobs, self.tokenizer.eos_token_ids, self.max_model_len)
+        if not isinstance(result, Ending):
+            self.tokens_generated += 1
+            seq.sink(result)
             return
-        seq.output_ids.append(token)
-        self.tokens_generated += 1
-        if token in params.stop_token_ids:
-            # vLLM's: a stop token is an output token (counted, with its log-probabilities) whose text is left
-            # out unless asked for; a stop string it would complete does not matter, it ends the request anyway.
-            if params.include_stop_str_in_output:
-                seq.decoder.push(token)
-            self._finish(seq, "stop", new_token=token, logprobs=logprobs)
-            return
-        added = seq.decoder.push(token)
-        text = seq.decoder.text
-        # A stop string counts where it ends in this token's text: one that ended earlier was found then, or
-        # fell within min_tokens, which holds stop strings off as it holds end tokens (vLLM's rule).
-        if params.stop and len(seq.output_ids) > params.min_tokens:
-            end = seq.stop_string_end(len(text) - len(added))
-            if end is not None:
-                self._finish(seq, "stop", text_end=end, new_token=token, logprobs=logprobs)
-                return
-        if len(seq.output_ids) >= params.max_tokens or seq.context_len >= self.max_model_len:
-            self._finish(seq, "length", new_token=token, logprobs=logprobs)
-            return
-        # Hold back a possible stop-string prefix until it is ruled out.
-        safe_end = len(text) - seq.held_back
-        delta = text[seq.emitted_chars : safe_end] if safe_end > seq.emitted_chars else ""
-        seq.emitted_chars += len(delta)
-        entries = () if logprobs is None else (logprobs,)
-        prompt_len, output_len = len(seq.prompt_ids), len(seq.output_ids)
-        seq.sink(RequestOutput(seq.request_id, delta, (token,), None, prompt_len, output_len, logprobs=entries))
+        if result.counted:
+            self.tokens_generated += 1
+        new_token = token if result.counted else None
+        self._finish(seq, result.reason, text_end=result.text_end, new_token=new_token, logprobs=logprobs)
 
     def _finish(
         self,
@@ -532,19 +492,4 @@ class LLMEngine:
         self.scheduler.finish(seq, keep_kv=reason != "error")  # an error may have left its row half written
         with self._lock:
             self._live.pop(seq.request_id, None)
-        text = seq.decoder.text if text_end is None else seq.decoder.text[:text_end]
-        delta = text[seq.emitted_chars :] if reason != "error" else ""
-        token_ids = () if new_token is None else (new_token,)
-        seq.sink(
-            RequestOutput(
-                seq.request_id,
-                delta,
-                token_ids,
-                reason,
-                len(seq.prompt_ids),
-                len(seq.output_ids),
-                error=error,
-                logprobs=() if logprobs is None else (logprobs,),
-                cached_tokens=seq.cached_tokens,
-            )
-        )
+        seq.sink(final_output(seq, reason, text_end, new_token, logprobs if new_token is not None else None, error))

@@ -7,9 +7,13 @@ pages are only touched as they are written.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from engine.config import ModelArch
+from engine.config import EngineConfig, ModelArch
+
+log = logging.getLogger("engine")
 
 
 class KVCache:
@@ -67,3 +71,23 @@ class KVCache:
         for cache in (self.k, self.v):
             for layer in cache:
                 layer[target, :, :length].copy_(layer[source, :, :length])
+
+
+def kv_slots(config: EngineConfig, arch: ModelArch, max_len: int, dtype: torch.dtype, device: torch.device) -> int:
+    """KV slots of `max_len` positions: `config.max_num_seqs`, fewer on a GPU whose free memory cannot hold them."""
+    wanted = config.max_num_seqs
+    if device.type != "cuda":
+        return wanted
+    free, _ = torch.cuda.mem_get_info(device)
+    per_slot = KVCache.bytes_per_token(arch, dtype) * max_len
+    # Leave room for activations of a full prefill step (logits over the vocabulary dominate).
+    reserve = config.max_num_batched_tokens * arch.vocab_size * 4 * 2
+    fit = int((free * config.gpu_memory_utilization - reserve) // per_slot) - 1  # - the scratch row
+    if fit < 1:
+        raise ValueError(
+            f"not enough GPU memory for one KV slot of {max_len} tokens ({per_slot / 2**20:.0f} MiB); "
+            "lower max_model_len"
+        )
+    if fit < wanted:
+        log.warning("GPU memory holds %d KV slots of %d tokens, not %d", fit, max_len, wanted)
+    return min(wanted, fit)
