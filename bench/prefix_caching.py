@@ -2,6 +2,7 @@
 cache on against off.
 
   python bench/prefix_caching.py [--system-tokens 600] [--requests 8] [--repeats 3] [--adapter pirate]
+  python bench/prefix_caching.py --device cuda --model FOLDER --adapter none   # a GPU, a model folder
 
 Shared system prompt: `--requests` requests, each the same system prompt with its own short question, sent
 one after another (each waits for the one before, as a tenant's steady traffic does), 8 tokens each. Next
@@ -70,6 +71,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--adapter", default="pirate", help="demo adapter the requests use; 'none' for the base")
+    parser.add_argument("--model", default="smollm2", help="EngineConfig.model (the demo adapters fit smollm2)")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     if args.system_tokens < 32 or args.requests < 2 or args.repeats < 1:
         parser.error("needs --system-tokens >= 32, --requests >= 2 and --repeats >= 1")
@@ -77,6 +80,8 @@ def main() -> None:
     engines = {
         name: LLMEngine(
             EngineConfig(
+                model=args.model,
+                device=args.device,
                 max_num_seqs=4,
                 max_model_len=args.system_tokens + 256,
                 lora_slots=1,
@@ -112,7 +117,7 @@ def main() -> None:
     prompt_len = len(tokenizer.encode_chat([("system", f"Round 1. {system}"), ("user", "x: question 1, briefly?")]))
     print(
         f"system prompt of ~{args.system_tokens} tokens (prompts ~{prompt_len} tokens), "
-        f"{'adapter ' + adapter if adapter else 'base model'}, CPU"
+        f"{'adapter ' + adapter if adapter else 'base model'}, {args.model} on {args.device}"
     )
     print(
         f"prompt tokens read from the cache: {on.prefix_cache_hits} of {on.prefix_cache_queries} "
