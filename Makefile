@@ -36,6 +36,7 @@ bench: install-test
 	$(PY) bench/detokenize.py
 	$(PY) bench/sampling.py
 	$(PY) bench/chunked_prefill.py
+	$(PY) bench/prefix_caching.py
 
 proto: install-test
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. engine/engine.proto
