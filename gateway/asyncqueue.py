@@ -26,8 +26,9 @@ class SlotSource(Protocol[SlotT]):
         """Whether `acquire` would succeed for some request now."""
         ...
 
-    def acquire(self, engine_name: str | None) -> SlotT | None:
-        """Take a slot suited to `engine_name`, or None when every slot is busy."""
+    def acquire(self, engine_name: str | None, *, affinity: str | None = None) -> SlotT | None:
+        """Take a slot suited to `engine_name` (and the prompt start `affinity`), or None when every slot is
+        busy."""
         ...
 
     def release(self, slot: SlotT) -> None:
@@ -43,6 +44,7 @@ class Ticket(Generic[SlotT]):
     engine_name: str | None
     waiter: asyncio.Future[SlotT]
     slot: SlotT | None = None
+    affinity: str | None = None  # the prompt's start (`gateway/affinity.py`)
 
 
 class AsyncFairQueue(Generic[SlotT]):
@@ -61,6 +63,7 @@ class AsyncFairQueue(Generic[SlotT]):
         cost_tokens: int,
         deadline: float | None,
         engine_name: str | None,
+        affinity: str | None = None,
     ) -> Ticket[SlotT]:
         """Queue a request and return once it holds a slot.
 
@@ -73,7 +76,7 @@ class AsyncFairQueue(Generic[SlotT]):
             raise DeadlineExceeded("deadline passed before the request was queued")
         loop = asyncio.get_running_loop()
         entry = QueueEntry(request_id, tenant, priority, cost_tokens, now, deadline, None)
-        ticket: Ticket[SlotT] = Ticket(entry, engine_name, loop.create_future())
+        ticket: Ticket[SlotT] = Ticket(entry, engine_name, loop.create_future(), affinity=affinity)
         entry.payload = ticket
         self.queue.push(entry)
         self.pump()
@@ -121,7 +124,7 @@ class AsyncFairQueue(Generic[SlotT]):
                     # Its task was cancelled after the future but before its cleanup ran.
                     queue.finished(entry, 0)
                     continue
-                slot = slots.acquire(ticket.engine_name)
+                slot = slots.acquire(ticket.engine_name, affinity=ticket.affinity)
                 if slot is None:
                     # Not expected after has_capacity() said yes; fail this one rather than spin.
                     queue.finished(entry, 0)

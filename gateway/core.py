@@ -23,6 +23,7 @@ from typing import Any
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 
+from gateway.affinity import affinity_key
 from gateway.api import (
     Done,
     Error,
@@ -158,12 +159,13 @@ class Gateway:
                 if not self.pool.healthy_count():
                     raise _no_engine()
                 engine_name = resolved.engine_name if resolved is not None else None
+                affinity = affinity_key(request, engine_name)
                 cost = self._cost(request)
                 queue_span = _tracer.start_span("gateway.queue", context=parent)
                 queued_at = time.perf_counter()
                 try:
                     ticket = await self.queue.acquire(
-                        queued_id, tenant, self._priority(tenant), cost, request.deadline, engine_name
+                        queued_id, tenant, self._priority(tenant), cost, request.deadline, engine_name, affinity
                     )
                 finally:
                     queue_span.end()
@@ -211,6 +213,7 @@ class Gateway:
                             cost,
                             request.deadline,
                             engine_name,
+                            affinity,
                         )
                     finally:
                         engine_span.end()

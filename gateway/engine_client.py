@@ -21,6 +21,7 @@ import grpc
 
 from engine import engine_pb2 as pb
 from engine import engine_pb2_grpc as pb_grpc
+from gateway.affinity import LOAD_SLACK, AffinityTable
 from gateway.api import Done, GatewayRequest, TokenChunk, TokenLogprobs, Usage
 from gateway.engine_wire import absolute_path, generate_request, token_logprobs
 from gateway.errors import (
@@ -79,6 +80,7 @@ class EnginePool:
         self._health_listeners: list[Callable[[Replica], None]] = []
         self._tasks: set[asyncio.Task[object]] = set()
         self._poller: asyncio.Task[None] | None = None
+        self._affinity = AffinityTable()
 
     async def __aenter__(self) -> EnginePool:
         for address in self._addresses:
@@ -142,20 +144,33 @@ class EnginePool:
         """Replicas taking new requests: healthy and not draining."""
         return sum(1 for r in self.replicas if r.takes_requests)
 
-    def acquire(self, engine_name: str | None, exclude: Iterable[Replica] = ()) -> Replica | None:
-        """Take a slot on the best replica for `engine_name` (None = base model), or None if all are full."""
+    def acquire(
+        self, engine_name: str | None, exclude: Iterable[Replica] = (), *, affinity: str | None = None
+    ) -> Replica | None:
+        """Take a slot on the best replica for `engine_name` (None = base model), or None if all are full.
+
+        Replicas holding the version come first (no load on the request's path), then the replica that served
+        the prompt's start last (`affinity`, `gateway/affinity.py`) unless it is loaded `LOAD_SLACK` above
+        the least loaded, then the least loaded."""
         best: Replica | None = None
         best_key = (2, 0.0)
+        ranked: dict[str, tuple[int, float]] = {}
         for r in self.replicas:
             if not r.takes_requests or r.in_flight >= r.capacity or r in exclude:
                 continue
-            # Resident versions first (no load on the request's path), then the least loaded replica.
             cold = 0 if engine_name is None or engine_name in r.adapters else 1
-            key = (cold, r.in_flight / r.capacity)
+            key = ranked[r.name] = (cold, r.in_flight / r.capacity)
             if key < best_key:
                 best, best_key = r, key
-        if best is not None:
-            best.in_flight += 1
+        if best is None:
+            return None
+        if affinity is not None:
+            steer = self._affinity.get(affinity)
+            steered = ranked.get(steer) if steer is not None else None
+            if steered is not None and steered[0] == best_key[0] and steered[1] <= best_key[1] + LOAD_SLACK:
+                best = next(r for r in self.replicas if r.name == steer)
+            self._affinity.record(affinity, best.name)
+        best.in_flight += 1
         return best
 
     def release(self, replica: Replica) -> None:

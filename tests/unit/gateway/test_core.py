@@ -489,3 +489,27 @@ async def test_a_deadline_passing_while_generating_is_named_as_such() -> None:
     assert isinstance(events[0], TokenChunk)  # it was generating
     assert isinstance(events[-1], Error) and events[-1].status is Status.DEADLINE_EXCEEDED
     assert "deadline passed while the engine was generating" in events[-1].message
+
+
+async def test_the_turns_of_a_chat_go_to_one_replica_where_its_start_is_cached() -> None:
+    # Least-loaded routing sent a chat's turns to whichever replica had the fewest requests; each engine caches
+    # the prompts it served, so a turn found the chat's start cached one time in the number of replicas.
+    options = FastEngineOptions(chunks=2)
+    async with FastEngineFixture(options) as one, FastEngineFixture(options) as two:
+        for engine in (one, two):
+            engine.record_requests = True
+        async with _gateway([one, two]) as gateway:
+            system = ChatMessage("system", "You answer questions about tides.")
+            conversation = [system, ChatMessage("user", "When is high tide?")]
+            busy = gateway.pool.replicas[0]
+            for turn in range(4):
+                request = _req(f"t{turn}", prompt=None, messages=tuple(conversation))
+                assert isinstance((await _run(gateway, request))[-1], Done)
+                conversation += [ChatMessage("assistant", "At six."), ChatMessage("user", f"And turn {turn}?")]
+                if turn == 0:  # the chat's replica gets another request to run: no longer the least loaded
+                    busy.in_flight += 1
+            other = _req("other", prompt=None, messages=(ChatMessage("user", "Something else entirely."),))
+            assert isinstance((await _run(gateway, other))[-1], Done)
+            busy.in_flight -= 1
+        assert set(_client_ids(one)) == {"t0", "t1", "t2", "t3"}
+        assert _client_ids(two) == ["other"]  # a start of its own goes to the least loaded

@@ -504,3 +504,29 @@ async def test_a_registration_timing_out_fails_the_request_as_retryable(own_time
                 await _collect(pool, _request("cold"), _adapter())
             assert failure.value.before_admission
             assert pool.replicas[0].healthy
+
+
+async def test_a_prompts_start_goes_back_to_the_replica_that_served_it_within_a_load_bound(
+    engines: list[FastEngineFixture],
+) -> None:
+    # Least-loaded routing spread the turns of a chat, and the requests sharing a system prompt, over every
+    # replica: each found its start in that engine's prefix cache one time in N.
+    async with EnginePool([f"127.0.0.1:{e.port}" for e in engines], max_concurrency=8) as pool:
+        a, b = pool.replicas
+        first = pool.acquire(None, affinity="chat-1")
+        assert first is a  # nothing known: the least loaded (the first of equals)
+        other = pool.acquire(None, affinity="chat-2")
+        assert other is b
+        for _ in range(3):  # a as loaded as b, then 1/8 and 2/8 more: within the slack of 1/4
+            assert pool.acquire(None, affinity="chat-1") is a
+        assert pool.acquire(None, affinity="chat-1") is b  # a at 4/8 against b's 1/8: past the slack
+        assert pool.acquire(None, affinity="chat-1") is b  # and b is the start's replica now
+        # A replica holding the adapter still comes first; its use makes it the start's replica.
+        a.adapters["pirate@v1"] = "resident"
+        assert pool.acquire("pirate@v1", affinity="chat-3") is a
+        pool.release(a)
+        pool.release(a)
+        assert pool.acquire("pirate@v1", affinity="chat-3") is a
+        # A start whose replica stopped taking requests goes elsewhere.
+        b.healthy = False
+        assert pool.acquire(None, affinity="chat-2") is a

@@ -23,14 +23,16 @@ class Slots:
         self.count = count
         self.used = 0
         self.listener: Any = None
+        self.affinities: list[str | None] = []
 
     def has_capacity(self) -> bool:
         return self.used < self.count
 
-    def acquire(self, engine_name: str | None) -> object | None:
+    def acquire(self, engine_name: str | None, *, affinity: str | None = None) -> object | None:
         if self.used >= self.count:
             return None
         self.used += 1
+        self.affinities.append(affinity)
         return object()
 
     def release(self, slot: object) -> None:
