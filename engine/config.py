@@ -21,11 +21,11 @@ class EngineConfig:
     max_model_len: int = 2048  # prompt + completion tokens per request
     # Prompt tokens prefilled in one step. A longer prompt is prefilled in chunks over several steps, so that
     # the running requests decode between them (lower it to bound the pause a long prompt puts in their
-    # streams; a whole prompt is one captured graph on CUDA, a chunk of a longer one runs eagerly).
+    # streams; a whole prompt is one captured graph on CUDA, a chunk of a longer one in the decode graph's rows or eagerly).
     max_num_batched_tokens: int = 4096
     # on: a request whose prompt starts with tokens a KV row holds (a shared system prompt, an earlier turn of
     # the chat, under the same adapter) prefills only the rest (engine/prefix_cache.py), as vLLM's automatic
-    # prefix caching. On CUDA such a prefill runs eagerly, not as a captured graph.
+    # prefix caching. On CUDA the rest runs as rows of the decode graph where the batch has room, else eagerly.
     prefix_caching: str = "on"
     max_waiting: int = 512  # admitted requests not yet running; beyond -> RESOURCE_EXHAUSTED
     lora_slots: int = 8  # adapters usable in one batch (stacked weights)

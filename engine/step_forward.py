@@ -3,6 +3,12 @@
 On CUDA the decoding requests run as one captured decode graph and each new prompt as a captured prefill
 graph on a second stream, so the GPU overlaps them; prompts longer than the prefill buckets, and decode
 batches no bucket holds, run eagerly. Without graphs (the CPU, `enforce_eager`) every row runs eagerly.
+
+The rest of a prompt whose start is already in its KV row (a prefix-cache hit, the next chunk of a long
+prompt) rides in the decode graph when the batch has room: one row per token, at its position in the prompt's
+row. The decode step writes every row's keys before any row attends, and each row attends up to its own
+position, so those rows are the prompt's causal prefill; only the last one's logits are kept. Eagerly, such a
+few tokens would cost a whole model's kernel launches.
 """
 
 from __future__ import annotations
@@ -91,6 +97,7 @@ class StepForward:
         self.model, self.kv, self.stacks, self.device = model, kv, stacks, device
         self.graphs, self.prefill_graphs = graphs, prefill_graphs
         self._prefill_stream = prefill_stream  # prefill graphs replay on it, beside the decode graph
+        self.folded_rows = 0  # prompt tokens run as rows of a decode graph (tests, benchmarks)
 
     def logits(
         self,
@@ -114,7 +121,7 @@ class StepForward:
         if self.prefill_graphs is not None and self._prefill_stream is not None and whole:
             # Enqueued first, on a second stream: the GPU runs these prefills alongside the decode graph
             # below (both are chains of small kernels), so joining requests barely delay the running ones.
-            # Chunks of a longer prompt run eagerly: their attention reads the chunks before them.
+            # A prompt's chunk past its start reads the keys before it: the decode graph's rows, or eagerly.
             main = torch.cuda.current_stream(self.device)
             self._prefill_stream.wait_stream(main)
             with torch.cuda.stream(self._prefill_stream):
@@ -125,10 +132,20 @@ class StepForward:
                         eager.remove(seq)
         if self.graphs is not None:
             decoding = [s for s in running if s not in prefills]
-            logits = self._decode_graphed(decoding, previous) if decoding else None
+            folded = self._foldable(decoding, [s for s in eager if s in prefills], prefills)
+            logits = self._decode_graphed(decoding, previous, folded, prefills) if decoding or folded else None
             if logits is not None:
-                order, parts = decoding, [logits]
-                eager = [s for s in eager if s in prefills]
+                rows, ends = len(decoding), []
+                for seq in folded:
+                    rows += prefills[seq]
+                    if seq.prefill_done:
+                        ends.append(rows - 1)
+                if folded:
+                    kept = upload(list(range(len(decoding))) + ends, torch.long, logits.device)
+                    logits = logits.index_select(0, kept)
+                    self.folded_rows += rows - len(decoding)
+                order, parts = decoding + [s for s in folded if s.prefill_done], [logits]
+                eager = [s for s in eager if s in prefills and s not in folded]
         if trace:
             trace.mark()
         if prefilled and self._prefill_stream is not None:
@@ -158,10 +175,48 @@ class StepForward:
         index = upload([previous.rows[s] for s in seqs], torch.long, self.device)
         return previous.tokens.index_select(0, index), [s.context_len for s in seqs]
 
-    def _decode_graphed(self, seqs: list[Sequence], previous: InFlight | None) -> torch.Tensor | None:
+    def _foldable(
+        self, decoding: list[Sequence], chunks: list[Sequence], prefills: dict[Sequence, int]
+    ) -> list[Sequence]:
+        """Those of `chunks` (prefilled this step, not in a prefill graph) whose tokens continue a prompt already
+        in their KV row and fit the largest decode graph beside `decoding`, in order."""
+        assert self.graphs is not None
+        room = self.graphs.batches[-1] - len(decoding)
+        folded = []
+        for seq in chunks:
+            if seq.prefilled > prefills[seq] and prefills[seq] <= room:  # starts past position 0
+                folded.append(seq)
+                room -= prefills[seq]
+        return folded
+
+    def _decode_graphed(
+        self,
+        seqs: list[Sequence],
+        previous: InFlight | None,
+        folded: list[Sequence] = (),  # type: ignore[assignment]
+        prefills: dict[Sequence, int] | None = None,
+    ) -> torch.Tensor | None:
+        """Logits of a decode graph's rows: one per sequence of `seqs`, then one per token of each of `folded`'s
+        prompt chunk (`prefills`), or None when no captured graph holds them."""
         assert self.graphs is not None
         input_ids, positions = self._decode_inputs(seqs, previous)
-        return self.graphs.run(input_ids, positions, [s.kv_slot for s in seqs], [s.lora_slot for s in seqs])
+        kv_slots, lora_slots = [s.kv_slot for s in seqs], [s.lora_slot for s in seqs]
+        if folded:
+            assert prefills is not None
+            chunk_ids: list[int] = []
+            for seq in folded:
+                past, end = seq.prefilled - prefills[seq], seq.prefilled
+                chunk_ids += seq.prompt_ids[past:end]
+                positions = [*positions, *range(past, end)]
+                kv_slots += [seq.kv_slot] * (end - past)
+                lora_slots += [seq.lora_slot] * (end - past)
+            if isinstance(input_ids, torch.Tensor):  # the decoding rows' tokens are on the device, in flight
+                ids = upload([0] * len(seqs) + chunk_ids, torch.long, self.device)
+                ids[: len(seqs)].copy_(input_ids)
+                input_ids = ids
+            else:
+                input_ids = input_ids + chunk_ids
+        return self.graphs.run(input_ids, positions, kv_slots, lora_slots)
 
     def _forward_eager(
         self, seqs: list[Sequence], prefills: dict[Sequence, int], previous: InFlight | None

@@ -43,6 +43,7 @@ class Request:
     length: int  # prompt tokens (a fixed pseudo-random prompt of this length)
     params: SamplingParams
     adapter: str | None = None
+    shared: int = 0  # tokens of a start the prompt shares with others of the same `shared` (before `length`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +109,16 @@ SCRIPT: dict[int, list[Event]] = {
     100: [Request("t0", 7, greedy(6)), Request("t1", 40, seeded(6, seed=30))],
     106: [Request("t3", 251, greedy(8), "b")],
     110: [Request("u0", 12, greedy(6), "c"), Request("u1", 3, seeded(8, seed=31), "c"), Request("t2", 5, greedy(4))],
+    # Prompts sharing a 40-token start (prefix caching): the rest of each prompt after the first runs as rows
+    # of the decode graph, read from p0's finished row or copied from a running one's; on 'a' nothing is shared
+    # with the base rows.
+    130: [Request("p0", 5, greedy(4), shared=40)],
+    140: [
+        Request("p1", 3, seeded(10, seed=40), shared=40),
+        Request("p2", 7, greedy(6), "a", shared=40),
+        Request("p3", 2, greedy(12), shared=40),
+    ],
+    145: [Request("p4", 9, greedy(5), shared=40), Request("p5", 4, greedy(5), "a", shared=40)],
 }
 
 
@@ -132,9 +143,11 @@ class Outputs:
         return self.outputs[-1].finish_reason if self.outputs else None
 
 
-def prompt(length: int) -> list[int]:
-    gen = torch.Generator().manual_seed(length)
-    return torch.randint(2, 128, (length,), generator=gen).tolist()
+def prompt(length: int, shared: int = 0) -> list[int]:
+    """A fixed pseudo-random prompt of `length` tokens after `shared` tokens of a start others share."""
+    gen = torch.Generator().manual_seed(length + 1000 * shared)
+    start = torch.randint(2, 128, (shared,), generator=torch.Generator().manual_seed(-shared)).tolist()
+    return start + torch.randint(2, 128, (length,), generator=gen).tolist()
 
 
 @dataclass
@@ -164,7 +177,8 @@ def drive(engine: LLMEngine, files: list[Path], script: dict[int, list[Event]]) 
         for event in script.get(step, []):
             if isinstance(event, Request):
                 sinks[event.rid] = Outputs()
-                engine.add_request(event.rid, prompt(event.length), event.params, event.adapter, sinks[event.rid])
+                tokens = prompt(event.length, event.shared)
+                engine.add_request(event.rid, tokens, event.params, event.adapter, sinks[event.rid])
             elif isinstance(event, Swap):
                 on = {s.adapter.name: s.request_id for s in engine.scheduler.running if s.adapter is not None}
                 wanted = [s.request_id for s in engine.scheduler.waiting if s.adapter and s.adapter.name == event.name]
@@ -417,3 +431,5 @@ def test_graphed_steps_give_the_eager_engines_tokens(
     if prefill_graphs:
         assert {n for n, _ in prompts} == {16, 32, 64, 128, 256} and {lora for _, lora in prompts} == {True, False}
     assert bool(keys) == decode_graphs and bool(prompts) == prefill_graphs
+    assert engine.prefix_cache.hit_tokens >= 4 * 40, "the shared starts were not read from the prefix cache"
+    assert (engine.forward.folded_rows > 0) == decode_graphs  # the rests of those prompts, in decode graphs
