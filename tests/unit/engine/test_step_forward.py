@@ -94,8 +94,8 @@ def test_a_prompt_prefilled_in_chunks_beside_graphed_decoding_rows_ends_as_a_who
     replays: list[object],
 ) -> None:
     """Chunks after the first attend to the keys of the chunks before them (SDPA's own causal mask is aligned to
-    the first key, so it would keep a chunk's rows from most of them); a chunk short of the prompt's end gets
-    no row, and the last gives the logits a whole prefill gives."""
+    the first key, so it would keep a chunk's rows from most of them), eagerly or as rows of the decode graph;
+    a chunk short of the prompt's end gets no row, and the last gives the logits a whole prefill gives."""
     graphed_kv, eager_kv = _caches()
     stacks = _stacks(fused=True)
     graphs = cuda_graphs.DecodeGraphs(_model(), graphed_kv, stacks, 4, None)
@@ -106,14 +106,18 @@ def test_a_prompt_prefilled_in_chunks_beside_graphed_decoding_rows_ends_as_a_who
     a.output_ids, a.status = [9], SeqStatus.RUNNING
     b.status, b.prefilled = SeqStatus.RUNNING, 0
     tokens = 9
-    for chunk in (4, 4, 3):
+    # The first chunk starts at position 0 and the second does not fit the decode graph beside a (3 rows free):
+    # eager, a alone graphed. The others continue the prompt in rows of the graph beside a's: one short of the
+    # prompt's end (its row dropped), then the last (batches of 2 and 3 rows, in buckets 2 and 4).
+    for chunk, batch in ((4, 1), (4, 1), (1, 2), (2, 4)):
         b.prefilled += chunk  # as `Scheduler.schedule` does
         order, logits = forward.logits([a, b], {b: chunk}, None)
-        assert replays[-1] == cuda_graphs.GraphKey(1, 256, True, False)  # a alone, graphed
+        assert replays[-1] == cuda_graphs.GraphKey(batch, 256, True, False)
         if not b.prefill_done:
             assert order == [a] and logits.shape[0] == 1
         a.output_ids.append(tokens)
         tokens += 1
+    assert forward.folded_rows == 3
 
     assert order == [a, b]
     whole = _eager(eager_kv, [(b, b.prompt_ids, 0)])
