@@ -36,6 +36,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import OutputSink, SeqStatus, Sequence
 from engine.step_forward import InFlight, StepForward, StepTrace
 from engine.step_sampling import sample_step
+from engine.structured import Grammar, StructuredOutputs
 from engine.tokenizer import IncrementalDecoder, Tokenizer
 
 log = logging.getLogger("engine")
@@ -87,6 +88,7 @@ class LLMEngine:
         arch, state = load_weights(source)
         self.arch = arch
         self.tokenizer = Tokenizer(source)
+        self.structured = StructuredOutputs(self.tokenizer, arch.vocab_size)
         self.max_model_len = min(config.max_model_len, arch.max_position)
         model = DecoderModel(arch)
         model.load_state(state)
@@ -245,6 +247,12 @@ class LLMEngine:
             failure = self.pool.failure(version)
             if failure is not None:
                 raise EngineError("UNAVAILABLE", f"adapter {adapter!r} failed to load: {failure}")
+        grammar: Grammar | None = None
+        if params.structured_kind:
+            try:
+                grammar = self.structured.grammar(params.structured_kind, params.structured_spec)
+            except ValueError as exc:
+                raise EngineError("INVALID_ARGUMENT", str(exc)) from exc
         seq = Sequence(
             request_id=request_id,
             prompt_ids=list(prompt_ids),
@@ -255,6 +263,7 @@ class LLMEngine:
             generator=make_generator(params, self.device),
             priority=priority,
             cache_salt=cache_salt,
+            grammar=grammar,
         )
         with self._lock:
             if self._drain_deadline is not None:
@@ -412,8 +421,10 @@ class LLMEngine:
             for s in self.scheduler.running
             if s in prefills or (s.prefill_done and not (s in ending and self._ends_by_length(s)))
         ]
-        if previous is not None and any(s not in ending for s in running if s not in prefills):
-            self._complete(previous)  # rows without a token in flight: read them first
+        # Rows without a token in flight, and constrained rows (their grammar's mask follows the token in flight):
+        # read the step in flight first.
+        if previous is not None and any(s not in ending or s.grammar is not None for s in running if s not in prefills):
+            self._complete(previous)
             previous = None
             running = [s for s in running if s.status is SeqStatus.RUNNING]
         if not running:
@@ -475,7 +486,9 @@ class LLMEngine:
         if result.counted:
             self.tokens_generated += 1
         new_token = token if result.counted else None
-        self._finish(seq, result.reason, text_end=result.text_end, new_token=new_token, logprobs=logprobs)
+        self._finish(
+            seq, result.reason, text_end=result.text_end, new_token=new_token, logprobs=logprobs, error=result.error
+        )
 
     def _finish(
         self,
