@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,14 +20,9 @@ from tests.unit.engine.test_engine_logprobs import PROMPT, run_recorded, tiny_en
 THREE = 'root ::= ("w5" | "w9") ("w5" | "w9") ("w7" | "w8")'
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_llama(tmp_path_factory.mktemp("structured-model"))
-
-
 @pytest.fixture(scope="module", params=["off", "on"], ids=["sync-steps", "async-steps"])
-def engine(request: pytest.FixtureRequest, model: Path) -> Iterator[LLMEngine]:
-    eng = tiny_engine(model, request.param)
+def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLMEngine]:
+    eng = tiny_engine(write_tiny_llama(tmp_path_factory.mktemp("structured-model")), request.param)
     yield eng
     eng.stop()
 
