@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
 
-from tests.conftest import DEV_KEY, ServerProcess, gateway_config, start_gateway
+from tests.conftest import DEV_KEY, ServerProcess
 from tests.integration.engine.test_structured_outputs import CHOICES, PERSON, REGEX, check_person
-from tests.integration.test_rest_real_engine import _missing
+from tests.integration.test_rest_real_engine import serve_real_engine
 
 pytestmark = pytest.mark.slow
 
@@ -26,25 +25,7 @@ PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schem
 
 @pytest.fixture(scope="module", params=["off", "on"], ids=["sync-steps", "async-steps"])
 def gateway(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    reason = _missing()
-    if reason:
-        pytest.skip(reason)
-    workdir = tmp_path_factory.mktemp("structured")
-    engine = {
-        "count": 1,
-        "command": [sys.executable, "-m", "engine", "--async-steps", request.param],
-        "device": "cpu",
-        "max_num_seqs": 8,
-        "max_model_len": 512,
-        "start_timeout_s": 300,
-    }
-    config = gateway_config(
-        engines={"local": engine, "max_concurrency": 8},
-        registry={"path": str(workdir / "registry.db"), "seed_demo_adapters": True},
-    )
-    server = start_gateway(config, workdir, timeout_s=300)
-    yield server
-    assert server.stop(timeout_s=60) == 0, server.log()[-4000:]
+    yield from serve_real_engine(tmp_path_factory, "--async-steps", request.param)
 
 
 @pytest.fixture
