@@ -36,7 +36,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import OutputSink, SeqStatus, Sequence
 from engine.step_forward import InFlight, StepForward, StepTrace
 from engine.step_sampling import sample_step
-from engine.structured import Grammar, StructuredOutputs
+from engine.structured import StructuredOutputs
 from engine.tokenizer import IncrementalDecoder, Tokenizer
 
 log = logging.getLogger("engine")
@@ -231,6 +231,8 @@ class LLMEngine:
             raise EngineError("INVALID_ARGUMENT", "request_id must not be empty")
         try:
             params.validate(self.arch.vocab_size)
+            kind, spec = params.structured_kind, params.structured_spec
+            grammar = self.structured.grammar(kind, spec) if kind else None  # xgrammar's reason if it won't compile
         except ValueError as exc:
             raise EngineError("INVALID_ARGUMENT", str(exc)) from exc
         if not prompt_ids:
@@ -247,12 +249,6 @@ class LLMEngine:
             failure = self.pool.failure(version)
             if failure is not None:
                 raise EngineError("UNAVAILABLE", f"adapter {adapter!r} failed to load: {failure}")
-        grammar: Grammar | None = None
-        if params.structured_kind:
-            try:
-                grammar = self.structured.grammar(params.structured_kind, params.structured_spec)
-            except ValueError as exc:
-                raise EngineError("INVALID_ARGUMENT", str(exc)) from exc
         seq = Sequence(
             request_id=request_id,
             prompt_ids=list(prompt_ids),
@@ -408,7 +404,8 @@ class LLMEngine:
         With `async_steps` the step's tokens stay on the device: the next step reads its inputs from there,
         and the engine thread handles this step's tokens (detokenizing, stop checks, outputs) while the GPU
         already runs the next one. A sequence that the previous step ended (an end token, a stop string)
-        still decodes one row in this step, whose token is dropped; one that it ends by length does not.
+        still decodes one row in this step, whose token is dropped; one that it ends by length does not. A
+        constrained sequence (a structured output) reads its token first: its grammar's mask follows that token.
         """
         previous, self._inflight = self._inflight, None
         trace = StepTrace(self.device, self.pool.slot_misses) if self.step_trace is not None else None
@@ -421,8 +418,7 @@ class LLMEngine:
             for s in self.scheduler.running
             if s in prefills or (s.prefill_done and not (s in ending and self._ends_by_length(s)))
         ]
-        # Rows without a token in flight, and constrained rows (their grammar's mask follows the token in flight):
-        # read the step in flight first.
+        # Rows without a token in flight, and constrained ones: read the step in flight first.
         if previous is not None and any(s not in ending or s.grammar is not None for s in running if s not in prefills):
             self._complete(previous)
             previous = None

@@ -161,5 +161,6 @@ def mask_logits(logits: torch.Tensor, order: Rows[Sequence]) -> torch.Tensor:
         assert grammar is not None
         grammar.fill(bitmask, i)
     masked = logits.clone()
-    xgr.apply_token_bitmask_inplace(masked, bitmask.to(logits.device), indices=rows)
+    # From pageable memory: staged at once, without waiting for the step's forward pass (engine/uploads.py).
+    xgr.apply_token_bitmask_inplace(masked, bitmask.to(logits.device, non_blocking=True), indices=rows)
     return masked
