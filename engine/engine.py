@@ -36,6 +36,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import OutputSink, SeqStatus, Sequence
 from engine.step_forward import InFlight, StepForward, StepTrace
 from engine.step_sampling import sample_step
+from engine.structured import StructuredOutputs
 from engine.tokenizer import IncrementalDecoder, Tokenizer
 
 log = logging.getLogger("engine")
@@ -87,6 +88,7 @@ class LLMEngine:
         arch, state = load_weights(source)
         self.arch = arch
         self.tokenizer = Tokenizer(source)
+        self.structured = StructuredOutputs(self.tokenizer, arch.vocab_size)
         self.max_model_len = min(config.max_model_len, arch.max_position)
         model = DecoderModel(arch)
         model.load_state(state)
@@ -229,6 +231,8 @@ class LLMEngine:
             raise EngineError("INVALID_ARGUMENT", "request_id must not be empty")
         try:
             params.validate(self.arch.vocab_size)
+            kind, spec = params.structured_kind, params.structured_spec
+            grammar = self.structured.grammar(kind, spec) if kind else None  # xgrammar's reason if it won't compile
         except ValueError as exc:
             raise EngineError("INVALID_ARGUMENT", str(exc)) from exc
         if not prompt_ids:
@@ -255,6 +259,7 @@ class LLMEngine:
             generator=make_generator(params, self.device),
             priority=priority,
             cache_salt=cache_salt,
+            grammar=grammar,
         )
         with self._lock:
             if self._drain_deadline is not None:
@@ -399,7 +404,8 @@ class LLMEngine:
         With `async_steps` the step's tokens stay on the device: the next step reads its inputs from there,
         and the engine thread handles this step's tokens (detokenizing, stop checks, outputs) while the GPU
         already runs the next one. A sequence that the previous step ended (an end token, a stop string)
-        still decodes one row in this step, whose token is dropped; one that it ends by length does not.
+        still decodes one row in this step, whose token is dropped; one that it ends by length does not. A
+        constrained sequence (a structured output) reads its token first: its grammar's mask follows that token.
         """
         previous, self._inflight = self._inflight, None
         trace = StepTrace(self.device, self.pool.slot_misses) if self.step_trace is not None else None
@@ -412,8 +418,9 @@ class LLMEngine:
             for s in self.scheduler.running
             if s in prefills or (s.prefill_done and not (s in ending and self._ends_by_length(s)))
         ]
-        if previous is not None and any(s not in ending for s in running if s not in prefills):
-            self._complete(previous)  # rows without a token in flight: read them first
+        # Rows without a token in flight, and constrained ones: read the step in flight first.
+        if previous is not None and any(s not in ending or s.grammar is not None for s in running if s not in prefills):
+            self._complete(previous)
             previous = None
             running = [s for s in running if s.status is SeqStatus.RUNNING]
         if not running:
@@ -475,7 +482,9 @@ class LLMEngine:
         if result.counted:
             self.tokens_generated += 1
         new_token = token if result.counted else None
-        self._finish(seq, result.reason, text_end=result.text_end, new_token=new_token, logprobs=logprobs)
+        self._finish(
+            seq, result.reason, text_end=result.text_end, new_token=new_token, logprobs=logprobs, error=result.error
+        )
 
     def _finish(
         self,

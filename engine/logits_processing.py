@@ -8,7 +8,8 @@ For one row, with `output` the tokens its request generated so far and `prompt` 
     for t in set(prompt + output):   logits[t] = logits[t] / repetition if logits[t] > 0 else logits[t] * repetition
     for t in output:                 logits[t] -= frequency * count(t in output) + presence   (once per token)
     if len(output) < min_tokens:     logits[end] = -inf   (each stop_token_ids id, and each end-of-sequence id
-                                                           unless ignore_eos)
+                                                           unless ignore_eos or the request has a structured
+                                                           output, whose grammar decides where it ends)
 
 This comes before everything else the sampler does, so it changes greedy rows too (min-p is a cut of the
 sampler's, after temperature: engine/sampling.py). The rows are processed on the device, together, on a
@@ -64,8 +65,10 @@ def process_logits(
     plan = _Plan()
     for i, seq in enumerate(seqs):
         pending = previous.rows.get(seq) if previous is not None else None
-        if _needs_processing(seq, eos_ids, pending is not None):
-            plan.add(i, seq, eos_ids, pending)
+        # A complete grammar allows only the end-of-sequence token: min_tokens must not take that one away too.
+        ends = () if seq.grammar is not None else eos_ids
+        if _needs_processing(seq, ends, pending is not None):
+            plan.add(i, seq, ends, pending)
     if not plan.rows:
         return None
     return plan.run(logits, previous.tokens if previous is not None else None)

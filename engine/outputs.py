@@ -21,6 +21,7 @@ class Ending:
     reason: str
     text_end: int | None = None
     counted: bool = True
+    error: str | None = None  # with reason "error"
 
 
 def take_token(
@@ -28,6 +29,15 @@ def take_token(
 ) -> RequestOutput | Ending:
     """Add `token` to `seq`'s output: the output to send its sink, or how it ends."""
     params = seq.params
+    grammar = seq.grammar
+    if grammar is not None:
+        # The mask allowed only tokens the grammar accepts; a refused one means logits with no allowed finite
+        # value (NaN), and the reply could no longer follow its grammar.
+        if not grammar.accept(token):
+            return Ending("error", counted=False, error=f"token {token} does not follow the structured output")
+        # The end token of a complete grammar: nothing may follow it, ignore_eos or not.
+        if grammar.terminated:
+            return Ending("stop", counted=False)
     if token in eos_ids and not params.ignore_eos:
         return Ending("stop", counted=False)
     seq.output_ids.append(token)

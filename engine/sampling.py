@@ -14,6 +14,14 @@ from engine.uploads import upload
 MAX_LOGIT_BIAS = 300
 # Ours on stop_token_ids (vLLM sets none): each id is checked on admission and masked under min_tokens.
 MAX_STOP_TOKEN_IDS = 64
+# Structured outputs (engine/structured.py): what `structured_spec` holds for each kind.
+STRUCTURED_KINDS = {
+    "json_object": "nothing (any JSON object)",
+    "json_schema": "a JSON schema, as JSON text",
+    "regex": "a regular expression",
+    "choice": "a JSON array of strings",
+    "grammar": "an EBNF grammar (xgrammar's, GBNF-like)",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +53,9 @@ class SamplingParams:
     # the stop string that ends a request in its text.
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
+    # A structured output (engine/structured.py): one of STRUCTURED_KINDS ("" for none) and its spec.
+    structured_kind: str = ""
+    structured_spec: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -83,6 +94,12 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be within [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         self._validate_logit_bias(vocab_size)
         self._validate_stop_token_ids(vocab_size)
+        if self.structured_kind and self.structured_kind not in STRUCTURED_KINDS:
+            raise ValueError(
+                f"structured_kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.structured_kind!r}"
+            )
+        if not self.structured_kind and self.structured_spec:
+            raise ValueError("structured_spec needs a structured_kind")
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         if len(self.logit_bias) > MAX_LOGIT_BIAS:

@@ -6,6 +6,7 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from engine.logprobs import TokenLogprobs
 from engine.pool import AdapterVersion
 from engine.sampling import SamplingParams
 from engine.tokenizer import IncrementalDecoder
+
+if TYPE_CHECKING:
+    from engine.structured import Grammar
 
 
 class SeqStatus(enum.Enum):
@@ -51,6 +55,7 @@ class Sequence:
     generator: torch.Generator | None
     priority: int = 0
     cache_salt: str = ""  # prompts share prefix-cached tokens only under the same salt
+    grammar: Grammar | None = None  # a structured output's matcher (engine/structured.py), advanced per token
     arrival: float = field(default_factory=time.monotonic)
     status: SeqStatus = SeqStatus.WAITING
     kv_slot: int = -1

@@ -18,7 +18,7 @@ from engine import engine_pb2 as pb
 from engine import engine_pb2_grpc as pb_grpc
 from engine.engine import EngineError, LLMEngine, prompt_too_long
 from engine.pool import AdapterVersion
-from engine.sampling import SamplingParams
+from engine.sampling import STRUCTURED_KINDS, SamplingParams
 from engine.sequence import RequestOutput
 
 log = logging.getLogger("engine.server")
@@ -54,6 +54,13 @@ class EngineService(pb_grpc.EngineServicer):
         except EngineError as exc:
             await context.abort(grpc.StatusCode[exc.code], exc.message)
             return
+        if params.structured_kind in STRUCTURED_KINDS:
+            # Compiling a large schema takes a while: off the event loop, into the cache `add_request` reads.
+            try:
+                await asyncio.to_thread(engine.structured.compile, params.structured_kind, params.structured_spec)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                return
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
@@ -163,6 +170,8 @@ class EngineService(pb_grpc.EngineServicer):
             min_tokens=s.min_tokens,
             stop_token_ids=tuple(s.stop_token_ids),
             include_stop_str_in_output=s.include_stop_str_in_output,
+            structured_kind=s.structured_kind,
+            structured_spec=s.structured_spec,
         )
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:

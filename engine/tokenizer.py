@@ -77,6 +77,11 @@ class Tokenizer:
         return list(self._tok.encode(str(rendered), add_special_tokens=False))
 
     @property
+    def hf_tokenizer(self) -> Any:
+        """The `transformers` tokenizer itself (what xgrammar reads the vocabulary from: engine/structured.py)."""
+        return self._tok
+
+    @property
     def backend(self) -> Any:
         """The `tokenizers.Tokenizer` inside (what `DecodeStream` steps with)."""
         return self._tok.backend_tokenizer

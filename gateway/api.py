@@ -56,6 +56,10 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
+    # A structured output (OpenAI's response_format, vLLM's guided_*): "json_object", "json_schema", "regex",
+    # "choice" or "grammar" ("" for none), and its spec (a schema or choices as JSON text, a regex, a grammar).
+    structured_kind: str = ""
+    structured_spec: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,8 @@ def generate_request(request: GatewayRequest, engine_name: str) -> pb.GenerateRe
         ignore_eos=s.ignore_eos,
         stop_token_ids=s.stop_token_ids,
         include_stop_str_in_output=s.include_stop_str_in_output,
+        structured_kind=s.structured_kind,
+        structured_spec=s.structured_spec,
     )
     if s.seed is not None:
         # Clients send int64 seeds (OpenAI's range, negatives included); the wire's uint64 takes them mod 2^64,

@@ -107,6 +107,11 @@ def _errors(*codes: int) -> dict[str, Any]:
     return out
 
 
+_ONE_CONSTRAINT = (
+    "At most one structured output constraint per request (else a 400); a schema, regex or grammar that does not "
+    "compile is a 400 naming its field. The reply ends (finish_reason stop) where the constraint is complete"
+)
+
 _SAMPLING: dict[str, Any] = {
     "model": {"type": "string", "minLength": 1, "description": "'base', 'base:ADAPTER' or 'ADAPTER'"},
     "max_tokens": {"type": "integer", "minimum": 1},
@@ -194,9 +199,43 @@ _SAMPLING: dict[str, Any] = {
         "description": "Extension (vLLM): the stop string (or stop_token_ids token) that ends the reply stays in "
         "its text",
     },
+    # Structured outputs: at most one of response_format (other than text) and the guided_* fields (rest_input).
+    "response_format": {
+        "oneOf": [
+            _object({"type": {"enum": ["text", "json_object"]}}, ("type",)),
+            _object(
+                {"type": {"const": "json_schema"}, "json_schema": _ref("JsonSchemaFormat")}, ("type", "json_schema")
+            ),
+        ],
+        "description": "OpenAI's: text (no constraint), json_object (the reply is a JSON object) or json_schema (the "
+        "reply follows the schema). " + _ONE_CONSTRAINT,
+    },
+    "guided_json": {
+        "oneOf": [{"type": "object"}, {"type": "string", "pattern": "^\\s*\\{"}],
+        "description": "Extension (vLLM): the reply follows this JSON schema (an object, or a string holding one). "
+        + _ONE_CONSTRAINT,
+    },
+    "guided_regex": {
+        "type": "string",
+        "minLength": 1,
+        "description": "Extension (vLLM): the reply matches this regular expression. " + _ONE_CONSTRAINT,
+    },
+    "guided_choice": {
+        "type": "array",
+        "items": {"type": "string", "minLength": 1},
+        "minItems": 1,
+        "description": "Extension (vLLM): the reply is exactly one of these strings. " + _ONE_CONSTRAINT,
+    },
+    "guided_grammar": {
+        "type": "string",
+        "minLength": 1,
+        "description": "Extension (vLLM): the reply follows this EBNF grammar (xgrammar's, with a root rule). "
+        + _ONE_CONSTRAINT,
+    },
     # vLLM's sampling extensions the engine has no knob for (rest_input._VLLM_NO_OPS).
     "use_beam_search": _unsupported({"type": "boolean", "const": False}, "false"),
-    **{f"guided_{kind}": _unsupported({"type": "null"}, "null") for kind in ("json", "regex", "choice", "grammar")},
+    "guided_whitespace_pattern": _unsupported({"type": "null"}, "null"),
+    "structured_outputs": _unsupported({"type": "null"}, "null (send the guided_* fields)"),
     "prompt_logprobs": _unsupported({"type": "null"}, "null"),
 }
 _LOGPROBS_NOTE = (
@@ -326,6 +365,15 @@ def _schemas() -> dict[str, Any]:
         "ChatLogprobs": _object({"content": {"type": "array", "items": chat_entry}}, ("content",)),
         "CompletionLogprobs": text_logprobs_object,
         "ChatMessage": message,
+        "JsonSchemaFormat": _object(
+            {
+                "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                "schema": {"type": "object", "description": "The JSON schema the reply follows"},
+                "strict": {"type": ["boolean", "null"], "description": "Accepted; the schema is always enforced"},
+                "description": {"type": ["string", "null"]},
+            },
+            ("name", "schema"),
+        ),
         "ChatCompletionRequest": _request(
             {
                 **_SAMPLING,
@@ -338,7 +386,6 @@ def _schemas() -> dict[str, Any]:
                 "tools": _unsupported({"type": "array", "maxItems": 0}, "[]"),
                 "functions": _unsupported({"type": "array", "maxItems": 0}, "[]"),
                 "tool_choice": _unsupported({"type": "string", "const": "none"}, '"none"'),
-                "response_format": _unsupported(_object({"type": {"const": "text"}}, ("type",)), '{"type": "text"}'),
                 "logprobs": {"type": "boolean", "description": _LOGPROBS_NOTE},
                 "top_logprobs": {
                     "type": "integer",
@@ -355,7 +402,22 @@ def _schemas() -> dict[str, Any]:
                 "properties": {"top_logprobs": {"type": "integer", "minimum": 1}, "logprobs": {"not": {"const": True}}},
             },
             more_examples=[
-                {"model": "base", "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 3}
+                {"model": "base", "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 3},
+                {
+                    "model": "base",
+                    "messages": [{"role": "user", "content": "Describe Ann, 31, as JSON."}],
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {
+                            "name": "person",
+                            "schema": {
+                                "type": "object",
+                                "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                                "required": ["name", "age"],
+                            },
+                        },
+                    },
+                },
             ],
         ),
         "CompletionRequest": _request(
@@ -398,6 +460,7 @@ def _schemas() -> dict[str, Any]:
                     "include_stop_str_in_output": True,
                     "stop_token_ids": [2],
                 },
+                {"model": "base", "prompt": "Is the sky blue? Answer:", "guided_choice": ["yes", "no"]},
             ],
         ),
         "ChatCompletion": reply("chat.completion", _object(chat_choice, tuple(chat_choice)), chunk=False),

@@ -1,12 +1,13 @@
 """Validation of OpenAI request bodies: JSON in, a `ParsedBody` out, or a `FieldError` naming the field.
 
 Only what the gateway can honour is accepted; anything it would silently ignore in a way that changes
-the answer (best_of > 1, prompt logprobs, tools, guided decoding, several prompts) is refused with a 400 that says so.
+the answer (best_of > 1, prompt logprobs, tools, several prompts) is refused with a 400 that says so.
 protocols/openapi.py describes exactly this; tests/unit/protocols/test_openapi.py holds the two together.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -42,12 +43,20 @@ _MAX_STOP_TOKEN_IDS = 64
 # vLLM's extra sampling fields -> their no-op values (null is one too). top_k is honoured, its -1 ("off") included.
 _VLLM_NO_OPS: dict[str, tuple[object, ...]] = {
     "use_beam_search": (False,),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
+    "guided_whitespace_pattern": (),
+    "structured_outputs": (),  # vLLM's newer spelling of the guided_* fields: send those
     "prompt_logprobs": (),
 }
+# Structured outputs: OpenAI's response_format types, vLLM's guided_* fields and the engine's kind of each.
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+_GUIDED = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+# OpenAI's rule for a json_schema's name.
+_SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 class FieldError(GatewayError):
@@ -73,6 +82,7 @@ class ParsedBody:
     user: str | None
     n: int = 1  # choices
     cache_salt: str | None = None
+    structured_field: str | None = None  # the field the structured output constraint came from, if any
 
 
 def parse_chat(data: object, base_name: str) -> ParsedBody:
@@ -85,9 +95,6 @@ def parse_chat(data: object, base_name: str) -> ParsedBody:
     for name in ("tools", "functions"):
         _no_op(body, name, f"{name} are not supported", [])
     _no_op(body, "tool_choice", "tool_choice is not supported", "none")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise _bad('only response_format {"type": "text"} is supported', "response_format")
     logprobs = _flag(body, "logprobs")
     top = _logprobs_count(body, "top_logprobs")
     if top and not logprobs:  # 0 changes nothing, and vLLM accepts it alone
@@ -169,6 +176,7 @@ def _common(
     min_tokens = _int(body, "min_tokens", 0, _MAX_MIN_TOKENS)
     if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
         raise _bad(f"min_tokens must be at most max_tokens ({max_tokens}), got {min_tokens}", "min_tokens")
+    structured_field, structured_kind, structured_spec = _structured_output(body)
     sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
@@ -186,6 +194,8 @@ def _common(
         ignore_eos=_flag(body, "ignore_eos"),
         stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
         include_stop_str_in_output=_flag(body, "include_stop_str_in_output"),
+        structured_kind=structured_kind,
+        structured_spec=structured_spec,
     )
     return ParsedBody(
         model=model,
@@ -198,7 +208,75 @@ def _common(
         user=user,
         n=n,
         cache_salt=cache_salt,
+        structured_field=structured_field,
     )
+
+
+def _structured_output(body: dict[str, Any]) -> tuple[str | None, str, str]:
+    """The request's structured output constraint as (the field it came from, the engine's kind, its spec), or
+    (None, "", ""); at most one of response_format (other than text) and vLLM's guided_* fields. Whether a schema,
+    regex or grammar compiles is the engine's to say (it knows the vocabulary)."""
+    found: list[tuple[str, str, str]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind, spec = _response_format(fmt)
+        if kind:
+            found.append(("response_format", kind, spec))
+    for name, kind in _GUIDED.items():
+        value = body.get(name)
+        if value is not None:
+            found.append((name, kind, _guided(name, value)))
+    if len(found) > 1:  # vLLM's words
+        names = ", ".join(name for name, _, _ in found)
+        raise _bad(
+            f"You can only use one kind of structured outputs constraint but multiple are specified: {names}",
+            found[1][0],
+        )
+    return found[0] if found else (None, "", "")
+
+
+def _response_format(fmt: object) -> tuple[str, str]:
+    if not isinstance(fmt, dict) or fmt.get("type") not in _RESPONSE_FORMATS:
+        raise _bad(
+            f"response_format must be an object whose type is one of {', '.join(_RESPONSE_FORMATS)}", "response_format"
+        )
+    if fmt["type"] != "json_schema":
+        return ("" if fmt["type"] == "text" else "json_object"), ""
+    where = "response_format.json_schema"
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _bad(f"{where} must be an object with a name and a schema", where)
+    name = spec.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+        raise _bad(f"{where}.name must be 1 to 64 letters, digits, underscores or dashes", f"{where}.name")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise _bad(f"{where}.schema must be a JSON schema (an object)", f"{where}.schema")
+    for key, kind in (("strict", bool), ("description", str)):
+        if spec.get(key) is not None and not isinstance(spec[key], kind):
+            raise _bad(f"{where}.{key} must be {'true or false' if kind is bool else 'a string'}", f"{where}.{key}")
+    return "json_schema", json.dumps(schema)
+
+
+def _guided(name: str, value: object) -> str:
+    """The engine's spec for one of vLLM's guided_* fields."""
+    if name == "guided_json":
+        schema = value
+        if isinstance(value, str):
+            try:
+                schema = json.loads(value)
+            except ValueError:
+                schema = None
+        if not isinstance(schema, dict):
+            raise _bad("guided_json must be a JSON schema: an object, or a string holding one", name)
+        return json.dumps(schema)
+    if name == "guided_choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise _bad("guided_choice must be a non-empty array of non-empty strings", name)
+        return json.dumps([_text(c, name) for c in value])
+    if not isinstance(value, str) or not value:
+        raise _bad(f"{name} must be a non-empty string", name)
+    return _text(value, name)
 
 
 def _object(data: object) -> dict[str, Any]:

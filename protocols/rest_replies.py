@@ -77,7 +77,7 @@ async def whole_reply(
         elif type(event) is Done:
             dones[index] = event
         elif isinstance(event, Error):
-            return event_error(event, request_id)
+            return event_error(event, request_id, body)
     finished = [done for done in dones if done is not None]
     if len(finished) < n:
         return error_response(Status.INTERNAL, "the request ended without a result", request_id=request_id)
@@ -120,7 +120,7 @@ async def stream_reply(
         if tagged is None:
             return error_response(Status.INTERNAL, "the request ended without a result", request_id=request_id)
         if isinstance(tagged[1], Error):
-            return event_error(tagged[1], request_id)
+            return event_error(tagged[1], request_id, body)
         started.add(tagged[0])
         held.append(tagged)
     created = int(time.time())
@@ -191,9 +191,16 @@ async def stream_reply(
     return response
 
 
-def event_error(event: Error, request_id: str) -> web.Response:
-    """The error reply for an `Error` event (an unknown model's carries OpenAI's `model_not_found`)."""
+# How the engine words a structured output it cannot compile (engine/structured.py, vLLM's words).
+_GRAMMAR_REFUSALS = ("Failed to transform", "Invalid grammar specification")
+
+
+def event_error(event: Error, request_id: str, body: ParsedBody) -> web.Response:
+    """The error reply for an `Error` event (an unknown model's carries OpenAI's `model_not_found`; the engine's
+    refusal of a schema, regex or grammar names the field it came from)."""
     param = "model" if event.status is Status.NOT_FOUND else None
+    if event.status is Status.INVALID_ARGUMENT and event.message.startswith(_GRAMMAR_REFUSALS):
+        param = body.structured_field
     code = "model_not_found" if event.status is Status.NOT_FOUND else None
     return error_response(
         event.status,

@@ -150,7 +150,7 @@ def test_every_usable_model_name_can_be_retrieved(client: openai.OpenAI, model: 
 def test_vllm_extras_are_refused_unless_they_change_nothing(client: openai.OpenAI) -> None:
     # vLLM clients send these through extra_body; they were ignored, changing the answer unannounced.
     messages = [{"role": "user", "content": "x"}]
-    for name, value in (("use_beam_search", True), ("guided_choice", ["a"])):
+    for name, value in (("use_beam_search", True), ("structured_outputs", {"choice": ["a"]})):
         with pytest.raises(openai.BadRequestError, match=f"{name} is not supported") as refused:
             client.chat.completions.create(model="base", messages=messages, extra_body={name: value})
         assert refused.value.param == name

@@ -39,8 +39,9 @@ def _missing() -> str | None:
     return f"demo adapters not trained: {', '.join(absent)} (make adapters)" if absent else None
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def serve_real_engine(tmp_path_factory: pytest.TempPathFactory, *engine_args: str) -> Iterator[ServerProcess]:
+    """`adaptergate serve` on one real engine on the CPU (started with `engine_args`) and the demo adapters, until
+    the generator is closed; skips where the model or the adapters are missing."""
     reason = _missing()
     if reason:
         pytest.skip(reason)
@@ -49,7 +50,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
         engines={
             "local": {
                 "count": 1,
-                "command": [sys.executable, "-m", "engine"],
+                "command": [sys.executable, "-m", "engine", *engine_args],
                 "device": "cpu",
                 "max_num_seqs": 8,
                 "max_model_len": 512,
@@ -62,6 +63,11 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
     server = start_gateway(config, workdir, timeout_s=300)
     yield server
     assert server.stop(timeout_s=60) == 0, server.log()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    yield from serve_real_engine(tmp_path_factory)
 
 
 @pytest.fixture

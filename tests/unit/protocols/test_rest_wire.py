@@ -110,10 +110,8 @@ async def test_refusals_echo_the_request_id(url: str, method: str, path: str, st
 # honoured: test_rest_logits, test_rest_stops.)
 _VLLM_EXTRAS: list[tuple[str, Any, Any]] = [
     ("use_beam_search", True, False),
-    ("guided_json", {"type": "object"}, None),
-    ("guided_regex", "[a-z]+", None),
-    ("guided_choice", ["yes", "no"], None),
-    ("guided_grammar", "root ::= 'x'", None),
+    ("guided_whitespace_pattern", "[ ]?", None),
+    ("structured_outputs", {"choice": ["yes", "no"]}, None),
 ]
 
 
