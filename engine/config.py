@@ -21,7 +21,8 @@ class EngineConfig:
     max_model_len: int = 2048  # prompt + completion tokens per request
     # Prompt tokens prefilled in one step. A longer prompt is prefilled in chunks over several steps, so that
     # the running requests decode between them (lower it to bound the pause a long prompt puts in their
-    # streams; a whole prompt is one captured graph on CUDA, a chunk of a longer one in the decode graph's rows or eagerly).
+    # streams; a whole prompt is one captured graph on CUDA, a chunk of a longer one rows of the decode graph
+    # or eager).
     max_num_batched_tokens: int = 4096
     # on: a request whose prompt starts with tokens a KV row holds (a shared system prompt, an earlier turn of
     # the chat, under the same adapter) prefills only the rest (engine/prefix_cache.py), as vLLM's automatic
