@@ -7,13 +7,13 @@ import math
 from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
 import pytest
 
 from gateway.api import Done, Event, GatewayRequest, PromptLogprobs, TokenChunk, TokenLogprob, TokenLogprobs, Usage
 from protocols.rest import RestServer
 from tests.unit.protocols.test_openapi import _conforms, _ref
-from tests.unit.protocols.test_rest import KEY, FakeGateway, _chat, _sse
+from tests.unit.protocols.test_rest import FakeGateway, _chat
+from tests.unit.protocols.test_rest_logprobs import _post
 
 PROMPT = "The cat sat"
 # The prompt's tokens: (id, text, logprob given the tokens before it, rank); the first has none.
@@ -59,12 +59,6 @@ async def served() -> AsyncIterator[tuple[PromptGateway, str]]:
     gateway = PromptGateway()
     async with RestServer(gateway, port=0, model_name="smol", health=gateway) as server:
         yield gateway, f"http://127.0.0.1:{server.port}"
-
-
-async def _post(url: str, path: str, body: dict[str, Any]) -> Any:
-    async with aiohttp.ClientSession(headers=KEY) as http, http.post(f"{url}{path}", json=body) as r:
-        assert r.status == 200, await r.text()
-        return await _sse(r) if body.get("stream") else await r.json()
 
 
 def vllm_prompt_logprobs(top: int) -> list[Any]:
