@@ -7,7 +7,6 @@ request's sink from the engine thread.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine import interpreter
+from engine import interpreter, prompt_logprobs
 from engine.adapter_loader import make_loader
 from engine.adapters import AdapterError
 from engine.config import EngineConfig
@@ -26,7 +25,7 @@ from engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from engine.eviction import DecayedFrequencyPolicy, LRUPolicy
 from engine.kv_cache import KVCache, kv_slots
 from engine.loader import load_weights, resolve_model
-from engine.logprobs import TokenLogprobs, read_logprobs, read_prompt_logprobs
+from engine.logprobs import TokenLogprobs, read_logprobs
 from engine.lora import LoRAStacks
 from engine.model import DecoderModel
 from engine.outputs import Ending, final_output, take_token
@@ -34,7 +33,7 @@ from engine.pool import AdapterCacheStats, AdapterPool, AdapterVersion
 from engine.prefix_cache import PrefixCache
 from engine.sampling import SamplingParams, make_generator
 from engine.scheduler import Scheduler
-from engine.sequence import OutputSink, RequestOutput, SeqStatus, Sequence
+from engine.sequence import OutputSink, SeqStatus, Sequence
 from engine.step_forward import InFlight, StepForward, StepTrace
 from engine.step_sampling import sample_step
 from engine.tokenizer import IncrementalDecoder, Tokenizer
@@ -424,8 +423,7 @@ class LLMEngine:
         if trace:
             trace.mark()
         order, logits = self.forward.logits(running, prefills, previous, trace)
-        if self.forward.prompt_rows:
-            self._take_prompt_logprobs()
+        prompt_logprobs.collect(self.forward.prompt_rows)
         if not order:  # only chunks short of their prompt's end: nothing to sample
             if previous is not None:
                 self._complete(previous)
@@ -446,24 +444,6 @@ class LLMEngine:
             self.step_trace.append((tuple(trace.phases), (len(prefills), self.pool.slot_misses - trace.misses)))
         for seq, token, chosen in zip(order, values, read_logprobs(logprobs, len(order)), strict=True):
             self._append(seq, token, chosen)
-
-    def _take_prompt_logprobs(self) -> None:
-        """Read this step's prompt log-probabilities into their sequences (a sync, in the steps that have any)."""
-        rows = self.forward.prompt_rows
-        counts = [int(r.seq.params.prompt_logprobs or 0) for r in rows]
-        for part, values in zip(rows, read_prompt_logprobs(rows, counts), strict=True):
-            if part.seq.prompt_logprobs is not None:
-                part.seq.prompt_logprobs.extend(values)
-
-    def _with_prompt_logprobs(self, seq: Sequence, out: RequestOutput) -> RequestOutput:
-        """`out` with `seq`'s prompt log-probabilities when it asked and this is its first output past its
-        prefill (vLLM sends them once, with the first output)."""
-        if not seq.wants_prompt_logprobs or seq.prompt_logprobs is None or not seq.prefill_done:
-            return out
-        if len(seq.prompt_logprobs) != len(seq.prompt_ids) - 1:  # a bug: better no values than wrong ones
-            raise RuntimeError(f"{len(seq.prompt_logprobs)} prompt log-probabilities for {len(seq.prompt_ids)} tokens")
-        values, seq.prompt_logprobs = tuple(seq.prompt_logprobs), None
-        return dataclasses.replace(out, prompt_logprobs=values)
 
     def _fill_ahead(self) -> None:
         """While the GPU runs the step just launched, copy the adapters of the requests next to join into
@@ -494,7 +474,7 @@ class LLMEngine:
         result = take_token(seq, token, logprobs, self.tokenizer.eos_token_ids, self.max_model_len)
         if not isinstance(result, Ending):
             self.tokens_generated += 1
-            seq.sink(self._with_prompt_logprobs(seq, result))
+            seq.sink(prompt_logprobs.attach(seq, result))
             return
         if result.counted:
             self.tokens_generated += 1
@@ -517,4 +497,4 @@ class LLMEngine:
         with self._lock:
             self._live.pop(seq.request_id, None)
         out = final_output(seq, reason, text_end, new_token, logprobs if new_token is not None else None, error)
-        seq.sink(out if error is not None else self._with_prompt_logprobs(seq, out))
+        seq.sink(prompt_logprobs.attach(seq, out))

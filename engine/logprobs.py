@@ -7,21 +7,17 @@ them on the device in one batch over the rows that asked, and copies them to hos
 are read after the step's tokens, which already waited for the device, so a step syncs no more than before.
 
 Prompt log-probabilities (vLLM's `prompt_logprobs`, and OpenAI's `echo` with `logprobs`) come from the same raw
-distribution at every position of a prompt chunk that asked (`PromptRows`), each with the token's rank.
+distribution at every position of a prompt chunk that asked (engine/prompt_logprobs.py), each with the token's rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.uploads import upload
-
-if TYPE_CHECKING:
-    from engine import sequence  # which imports this module
 
 # The most likely tokens a request may ask for beside each sampled one: vLLM's default max_logprobs, and the
 # top of OpenAI's top_logprobs range.
@@ -104,42 +100,3 @@ class PromptLogprob:
     logprob: float
     rank: int
     top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(eq=False)
-class PromptRows:
-    """Rows of a step's logits that predict prompt tokens of `seq` (a prompt chunk asking for prompt
-    log-probabilities): `logits` [len(targets), vocab], row i the distribution of prompt token `targets[i]`."""
-
-    seq: sequence.Sequence
-    targets: list[int]
-    logits: torch.Tensor
-
-
-def read_prompt_logprobs(rows: Sequence[PromptRows], counts: Sequence[int]) -> list[list[PromptLogprob]]:
-    """The prompt log-probabilities of each entry of `rows`, with `counts[i]` most likely tokens beside each.
-
-    Computed on the device in one batch (log_softmax, the targets' values and ranks, top-k), read back at once:
-    the step that asks waits for its logits, as its sampled tokens do."""
-    logits = torch.cat([r.logits for r in rows]) if len(rows) > 1 else rows[0].logits
-    targets = upload([t for r in rows for t in r.targets], torch.long, logits.device)
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    values = logprobs.gather(1, targets[:, None])
-    ranks = (logprobs >= values).sum(dim=-1, keepdim=True)  # vLLM's: the tokens at least as likely, itself included
-    k = min(max(counts), logprobs.shape[-1])
-    top = logprobs.topk(k, dim=-1) if k else None
-    columns = [values, ranks.to(values.dtype)] + ([top.values] if top is not None else [])
-    host_values = torch.cat(columns, dim=1).tolist()
-    host_ids = top.indices.tolist() if top is not None else [[] for _ in host_values]
-    out: list[list[PromptLogprob]] = []
-    start = 0
-    for r, n in zip(rows, counts, strict=True):
-        end = start + len(r.targets)
-        out.append(
-            [
-                PromptLogprob(v[0], int(v[1]), tuple(zip(ids[:n], v[2 : 2 + n], strict=True)))
-                for v, ids in zip(host_values[start:end], host_ids[start:end], strict=True)
-            ]
-        )
-        start = end
-    return out

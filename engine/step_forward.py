@@ -15,10 +15,11 @@ import torch
 
 from engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from engine.kv_cache import KVCache
-from engine.logprobs import PromptRows, StepLogprobs
+from engine.logprobs import StepLogprobs
 from engine.lora import LoRAStacks
 from engine.lora_batch import LoRABatch
 from engine.model import DecoderModel, SeqSlice
+from engine.prompt_logprobs import PromptRows
 from engine.sequence import Sequence
 from engine.uploads import upload
 

@@ -278,7 +278,8 @@ def _flag(body: dict[str, Any], name: str) -> bool:
 
 
 def _logprobs_count(body: dict[str, Any], name: str) -> int | None:
-    """A count of most likely tokens to return beside each sampled one: 0 to 20; above, refused in vLLM's words."""
+    """A count of most likely tokens to return beside each sampled (or prompt) token: 0 to 20; above, refused in
+    vLLM's words."""
     count = _int(body, name, 0)
     if count is not None and count > _MAX_LOGPROBS:
         kind = "prompt" if name == "prompt_logprobs" else "sample"
