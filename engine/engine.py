@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine import interpreter
+from engine import interpreter, prompt_logprobs
 from engine.adapter_loader import make_loader
 from engine.adapters import AdapterError
 from engine.config import EngineConfig
@@ -430,6 +430,7 @@ class LLMEngine:
         if trace:
             trace.mark()
         order, logits = self.forward.logits(running, prefills, previous, trace)
+        prompt_logprobs.collect(self.forward.prompt_rows)
         if not order:  # only chunks short of their prompt's end: nothing to sample
             if previous is not None:
                 self._complete(previous)
@@ -474,10 +475,13 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> None:
         """Hand `token` (with its `logprobs` when the request asked) to `seq`: its output, or its end."""
+        if seq.params.max_tokens == 0:  # the prompt's log-probabilities alone: its first token is dropped
+            self._finish(seq, "length")
+            return
         result = take_token(seq, token, logprobs, self.tokenizer.eos_token_ids, self.max_model_len)
         if not isinstance(result, Ending):
             self.tokens_generated += 1
-            seq.sink(result)
+            seq.sink(prompt_logprobs.attach(seq, result))
             return
         if result.counted:
             self.tokens_generated += 1
@@ -501,4 +505,5 @@ class LLMEngine:
         self.scheduler.finish(seq, keep_kv=reason != "error")  # an error may have left its row half written
         with self._lock:
             self._live.pop(seq.request_id, None)
-        seq.sink(final_output(seq, reason, text_end, new_token, logprobs if new_token is not None else None, error))
+        out = final_output(seq, reason, text_end, new_token, logprobs if new_token is not None else None, error)
+        seq.sink(prompt_logprobs.attach(seq, out))

@@ -5,6 +5,9 @@ logit_bias, min_tokens), temperature, min-p, top-k and top-p (vLLM's default `ra
 logprob does not depend on how it was drawn. A step computes
 them on the device in one batch over the rows that asked, and copies them to host memory without waiting; they
 are read after the step's tokens, which already waited for the device, so a step syncs no more than before.
+
+Prompt log-probabilities (vLLM's `prompt_logprobs`, and OpenAI's `echo` with `logprobs`) come from the same raw
+distribution at every position of a prompt chunk that asked (engine/prompt_logprobs.py), each with the token's rank.
 """
 
 from __future__ import annotations
@@ -87,3 +90,13 @@ class StepLogprobs:
 def read_logprobs(step: StepLogprobs | None, size: int) -> list[TokenLogprobs | None]:
     """`step.read(size)`, or no log-probabilities for any of the `size` rows of a step where none asked."""
     return [None] * size if step is None else step.read(size)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprob:
+    """A prompt token's log-probability given the tokens before it (vLLM's `prompt_logprobs`), its rank in that
+    distribution (1: the most likely), and the most likely tokens there as (token id, logprob), most likely first."""
+
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()

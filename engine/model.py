@@ -388,11 +388,13 @@ class DecoderModel(nn.Module):
         seqs: list[SeqSlice],
         kv: KVCache,
         lora: LoRABatch | None,
+        rows: list[int] | None = None,
     ) -> torch.Tensor:
-        """Logits [len(seqs), vocab] for the last token of every sequence in the step."""
+        """Logits [len(seqs), vocab] for the last token of every sequence in the step, followed by those of the
+        step's tokens at `rows` (indices into `input_ids`; prompt log-probabilities), in their order."""
         decode = DecodeView.of(seqs, input_ids.device)
         x = self._layers(input_ids, positions, seqs, kv, lora, decode)
-        last = upload([s.start + s.length - 1 for s in seqs], torch.long, x.device)
+        last = upload([s.start + s.length - 1 for s in seqs] + (rows or []), torch.long, x.device)
         return self._logits(x.index_select(0, last))
 
     @torch.inference_mode()

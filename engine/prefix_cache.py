@@ -76,9 +76,11 @@ class PrefixCache:
     # -- admission ----------------------------------------------------------------------------------
 
     def lookup(self, seq: Sequence) -> PrefixHit:
-        """The longest cached prefix of `seq`'s prompt under its adapter and salt, in a free or running row."""
+        """The longest cached prefix of `seq`'s prompt under its adapter and salt, in a free or running row; none
+        for a request asking for prompt log-probabilities, which needs the logits of every prompt position (as
+        vLLM skips the prefix cache for those)."""
         key = cache_key(seq)
-        if not self.enabled:
+        if not self.enabled or seq.wants_prompt_logprobs:
             return PrefixHit(key=key)
         hashes = self._hashes_of(seq, key)
         candidates: set[int] = set()

@@ -56,6 +56,10 @@ class SamplingParams:
     # A structured output (engine/structured.py): one of STRUCTURED_KINDS ("" for none) and its spec.
     structured_kind: str = ""
     structured_spec: str = ""
+    # vLLM's: each prompt token's log-probability (from the second on), with this many most likely tokens beside
+    # it; None: none. With it, max_tokens may be 0: the prompt's log-probabilities alone (vLLM's echo with
+    # max_tokens 0).
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -69,8 +73,10 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the bad field; with `vocab_size`, logit_bias and stop_token_ids ids are checked
         against it."""
-        if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
+        if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
+            raise ValueError(f"max_tokens must be positive (or 0 with prompt_logprobs), got {self.max_tokens}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be within [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be within [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.logprobs import TokenLogprobs
+from engine.logprobs import PromptLogprob, TokenLogprobs
 from engine.pool import AdapterVersion
 from engine.sampling import SamplingParams
 from engine.tokenizer import IncrementalDecoder
@@ -39,6 +39,8 @@ class RequestOutput:
     cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of prefilled
     # One per entry of `token_ids` when the request asked for log-probabilities, else empty.
     logprobs: tuple[TokenLogprobs, ...] = ()
+    # With prompt_logprobs, on the request's first output only: one per prompt token from the second on.
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None
 
 
 OutputSink = Callable[[RequestOutput], None]
@@ -65,6 +67,8 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     emitted_chars: int = 0
     aborted: bool = False
+    # With prompt_logprobs: those of the prompt chunks prefilled so far; None once sent with the first output.
+    prompt_logprobs: list[PromptLogprob] | None = field(default_factory=list)
 
     @property
     def context_len(self) -> int:
@@ -74,6 +78,12 @@ class Sequence:
     def prefill_done(self) -> bool:
         """Whether the whole prompt is in the KV cache: the sequence decodes from here on."""
         return self.prefilled == len(self.prompt_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether the request asked for prompt log-probabilities: every prompt position is prefilled for it
+        (no prefix-cache hit, no prefill graph, which yields the last position's logits only)."""
+        return self.params.prompt_logprobs is not None
 
     @property
     def held_back(self) -> int:

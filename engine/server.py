@@ -98,6 +98,7 @@ class EngineService(pb_grpc.EngineServicer):
                     finish_reason=out.finish_reason or "",
                     usage=usage,
                     logprobs=self._logprobs(out) if out.logprobs else (),
+                    prompt_logprobs=self._prompt_logprobs(prompt_ids, out),
                 )
                 if finished:
                     return
@@ -105,18 +106,30 @@ class EngineService(pb_grpc.EngineServicer):
             if not finished:  # client cancelled, deadline passed, or the stream broke
                 engine.abort(request_id)
 
+    def _entry(self, token_id: int, logprob: float) -> pb.TokenLogprob:
+        """A token with its log-probability, its text and bytes."""
+        text, raw = self.engine.tokenizer.piece(token_id)
+        return pb.TokenLogprob(token_id=token_id, token=text, token_bytes=raw, logprob=logprob)
+
     def _logprobs(self, out: RequestOutput) -> list[pb.TokenLogprobs]:
         """The wire form of `out.logprobs`, each token with its text and bytes."""
-        piece = self.engine.tokenizer.piece
-
-        def entry(token_id: int, logprob: float) -> pb.TokenLogprob:
-            text, raw = piece(token_id)
-            return pb.TokenLogprob(token_id=token_id, token=text, token_bytes=raw, logprob=logprob)
-
+        entry = self._entry
         return [
             pb.TokenLogprobs(sampled=entry(token_id, lp.logprob), top=[entry(i, v) for i, v in lp.top])
             for token_id, lp in zip(out.token_ids, out.logprobs, strict=True)
         ]
+
+    def _prompt_logprobs(self, prompt_ids: list[int], out: RequestOutput) -> pb.PromptLogprobs | None:
+        """The wire form of `out.prompt_logprobs` (None where the output has none)."""
+        if out.prompt_logprobs is None:
+            return None
+        entry = self._entry
+        rest = [
+            pb.TokenLogprobs(sampled=entry(token_id, lp.logprob), top=[entry(i, v) for i, v in lp.top])
+            for token_id, lp in zip(prompt_ids[1:], out.prompt_logprobs, strict=True)
+        ]
+        ranks = [lp.rank for lp in out.prompt_logprobs]
+        return pb.PromptLogprobs(first=entry(prompt_ids[0], 0.0), rest=rest, ranks=ranks)
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         tokenizer = self.engine.tokenizer
@@ -153,8 +166,12 @@ class EngineService(pb_grpc.EngineServicer):
                 "completion). Shorten the prompt or lower max_tokens.",
             )
         wanted = s.max_tokens or self.engine.config.default_max_tokens  # 0: unset, the default within the room
+        prompt_logprobs = s.prompt_logprobs if s.HasField("prompt_logprobs") else None
+        if s.prompt_only and (s.max_tokens or prompt_logprobs is None):
+            raise EngineError("INVALID_ARGUMENT", "prompt_only needs prompt_logprobs set and max_tokens 0")
         return SamplingParams(
-            max_tokens=min(wanted, room),
+            max_tokens=0 if s.prompt_only else min(wanted, room),
+            prompt_logprobs=prompt_logprobs,
             temperature=s.temperature,
             top_p=1.0 if s.top_p == 0 else s.top_p,  # 0 means off; a negative or NaN one is refused
             top_k=s.top_k,

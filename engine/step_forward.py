@@ -25,6 +25,7 @@ from engine.logprobs import StepLogprobs
 from engine.lora import LoRAStacks
 from engine.lora_batch import LoRABatch
 from engine.model import DecoderModel, SeqSlice
+from engine.prompt_logprobs import PromptRows
 from engine.sequence import Sequence
 from engine.uploads import upload
 
@@ -98,6 +99,8 @@ class StepForward:
         self.graphs, self.prefill_graphs = graphs, prefill_graphs
         self._prefill_stream = prefill_stream  # prefill graphs replay on it, beside the decode graph
         self.folded_rows = 0  # prompt tokens run as rows of a decode graph (tests, benchmarks)
+        # The last step's rows that predict prompt tokens of the requests asking for prompt log-probabilities.
+        self.prompt_rows: list[PromptRows] = []
 
     def logits(
         self,
@@ -111,13 +114,18 @@ class StepForward:
 
         `prefills` are the sequences this step prefills and how many prompt tokens, ending at `seq.prefilled`
         (`Scheduler.schedule`); a chunk short of its prompt's end gets no row. The others decode one token,
-        read from `previous` where the step that sampled it is still in flight.
+        read from `previous` where the step that sampled it is still in flight. The logits of prompt positions
+        of requests that ask for prompt log-probabilities go to `prompt_rows`.
         """
+        self.prompt_rows = []
         order: list[Sequence] = []
         parts: list[torch.Tensor] = []
         eager = list(running)
         prefilled: list[tuple[Sequence, torch.Tensor]] = []
-        whole = [s for s in running if s in prefills and prefills[s] == len(s.prompt_ids)]
+        # A prefill graph yields the last position's logits only: prompts that want them all run eagerly.
+        whole = [
+            s for s in running if s in prefills and prefills[s] == len(s.prompt_ids) and not s.wants_prompt_logprobs
+        ]
         if self.prefill_graphs is not None and self._prefill_stream is not None and whole:
             # Enqueued first, on a second stream: the GPU runs these prefills alongside the decode graph
             # below (both are chains of small kernels), so joining requests barely delay the running ones.
@@ -155,6 +163,12 @@ class StepForward:
             trace.mark()
         if eager:
             logits = self._forward_eager(eager, prefills, previous)
+            if self.prompt_rows:  # past the last rows: those of prompt positions (`_forward_eager`)
+                logits, rest = logits[: len(eager)], logits[len(eager) :]
+                start = 0
+                for part in self.prompt_rows:
+                    part.logits = rest[start : start + len(part.targets)]
+                    start += len(part.targets)
             keep = [i for i, s in enumerate(eager) if s.prefill_done]
             if len(keep) < len(eager):  # drop the rows of chunks short of their prompt's end
                 logits = logits.index_select(0, upload(keep, torch.long, logits.device))
@@ -179,12 +193,14 @@ class StepForward:
         self, decoding: list[Sequence], chunks: list[Sequence], prefills: dict[Sequence, int]
     ) -> list[Sequence]:
         """Those of `chunks` (prefilled this step, not in a prefill graph) whose tokens continue a prompt already
-        in their KV row and fit the largest decode graph beside `decoding`, in order."""
+        in their KV row and fit the largest decode graph beside `decoding`, in order. Not those asking for
+        prompt log-probabilities: the graph keeps only a chunk's last row."""
         assert self.graphs is not None
         room = self.graphs.batches[-1] - len(decoding)
         folded = []
         for seq in chunks:
-            if seq.prefilled > prefills[seq] and prefills[seq] <= room:  # starts past position 0
+            past = seq.prefilled - prefills[seq]
+            if past > 0 and prefills[seq] <= room and not seq.wants_prompt_logprobs:
                 folded.append(seq)
                 room -= prefills[seq]
         return folded
@@ -228,6 +244,7 @@ class StepForward:
         token_slots: list[int] = []
         slices: list[SeqSlice] = []
         decode_rows: list[int] = []
+        prompt_rows: list[int] = []
         for seq in seqs:
             start = len(input_ids)
             if seq in prefills:
@@ -235,6 +252,13 @@ class StepForward:
                 input_ids.extend(seq.prompt_ids[past:end])
                 positions.extend(range(past, end))
                 slices.append(SeqSlice(seq.kv_slot, start, end - past, end))
+                if seq.wants_prompt_logprobs:
+                    # Position q predicts prompt token q + 1; the prompt's last position, the first output token.
+                    stop = min(end, len(seq.prompt_ids) - 1)
+                    if stop > past:
+                        prompt_rows.extend(range(start, start + stop - past))
+                        targets = seq.prompt_ids[past + 1 : stop + 1]
+                        self.prompt_rows.append(PromptRows(seq, targets, torch.empty(0)))
             else:
                 i = len(decode_rows)
                 decode_rows.append(start)
@@ -247,4 +271,4 @@ class StepForward:
         if isinstance(decode_ids, torch.Tensor) and decode_rows:  # tokens of the step in flight, on the device
             ids.index_copy_(0, upload(decode_rows, torch.long, dev), decode_ids.to(ids.dtype))
         lora = LoRABatch.build(self.stacks, token_slots, dev)
-        return self.model(ids, upload(positions, torch.long, dev), slices, self.kv, lora)
+        return self.model(ids, upload(positions, torch.long, dev), slices, self.kv, lora, prompt_rows or None)

@@ -33,7 +33,8 @@ class ChatMessage:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Sampling knobs; `max_tokens=None` means the engine default."""
+    """Sampling knobs; `max_tokens=None` means the engine default, 0 (with `prompt_logprobs` only) no token: the
+    prompt's log-probabilities alone."""
 
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -60,6 +61,9 @@ class SamplingParams:
     # "choice" or "grammar" ("" for none), and its spec (a schema or choices as JSON text, a regex, a grammar).
     structured_kind: str = ""
     structured_spec: str = ""
+    # vLLM's: None, no prompt log-probabilities; N, each prompt token's (from the second on) with the N most
+    # likely tokens at its position beside it (the prompt skips the engine's prefix cache).
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +111,7 @@ class TokenLogprob:
     token: str
     token_bytes: bytes
     logprob: float
+    token_id: int = -1  # vLLM's prompt_logprobs name tokens by id
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +120,17 @@ class TokenLogprobs:
 
     sampled: TokenLogprob
     top: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """The log-probabilities of a prompt's tokens: the first has none (nothing comes before it); each of the
+    others (`rest`, `sampled` the prompt token) has its own, its rank (`ranks`, 1: the most likely) and the most
+    likely tokens at its position."""
+
+    first: TokenLogprob  # its logprob means nothing
+    rest: tuple[TokenLogprobs, ...] = ()
+    ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +145,8 @@ class TokenChunk:
     # With `SamplingParams.logprobs`: one per token of the chunk (the text may be empty: the chunk before `Done`
     # carries the log-probabilities of tokens whose text never came, such as one that completed a stop string).
     logprobs: tuple[TokenLogprobs, ...] = ()
+    # With `SamplingParams.prompt_logprobs`: on the request's first event (this chunk, or `Done` if none came).
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +156,7 @@ class Done:
     finish_reason: str
     usage: Usage
     adapter_version: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # as `TokenChunk`'s, where no chunk came before
 
 
 @dataclass(frozen=True, slots=True)

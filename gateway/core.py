@@ -248,7 +248,8 @@ class Gateway:
         return self.registry.resolve(request.adapter, request.tenant, request.routing_key, scope=scope)
 
     def _cost(self, request: GatewayRequest) -> int:
-        max_tokens = request.sampling.max_tokens or self._default_max_tokens
+        max_tokens = request.sampling.max_tokens
+        max_tokens = self._default_max_tokens if max_tokens is None else max_tokens  # 0: the prompt alone
         return _prompt_chars(request) // _CHARS_PER_TOKEN + max_tokens
 
     def _priority(self, tenant: str) -> int:

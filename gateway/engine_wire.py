@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterable
 
 from engine import engine_pb2 as pb
-from gateway.api import GatewayRequest, TokenLogprob, TokenLogprobs
+from gateway.api import GatewayRequest, PromptLogprobs, TokenLogprob, TokenLogprobs
 
 # top_p 0 (OpenAI accepts it) is the limit of keeping only the most likely token. The engine's wire format
 # reads 0 as "not set" (no cut), so the smallest mass goes instead, which keeps that token only.
@@ -43,6 +43,9 @@ def generate_request(request: GatewayRequest, engine_name: str) -> pb.GenerateRe
         sampling.seed = s.seed % 2**64
     if s.logprobs is not None:
         sampling.logprobs = s.logprobs
+    if s.prompt_logprobs is not None:
+        sampling.prompt_logprobs = s.prompt_logprobs
+        sampling.prompt_only = s.max_tokens == 0  # the wire's max_tokens 0 is the engine default
     message = pb.GenerateRequest(
         request_id=request.request_id,
         adapter=engine_name,
@@ -68,8 +71,13 @@ def token_logprobs(entries: Iterable[pb.TokenLogprobs]) -> tuple[TokenLogprobs, 
     return tuple(TokenLogprobs(_token(e.sampled), tuple(_token(t) for t in e.top)) for e in entries)
 
 
+def prompt_logprobs(message: pb.PromptLogprobs) -> PromptLogprobs:
+    """The log-probabilities of a prompt's tokens, as the gateway's events carry them."""
+    return PromptLogprobs(_token(message.first), token_logprobs(message.rest), tuple(message.ranks))
+
+
 def _token(t: pb.TokenLogprob) -> TokenLogprob:
-    return TokenLogprob(t.token, t.token_bytes, t.logprob)
+    return TokenLogprob(t.token, t.token_bytes, t.logprob, t.token_id)
 
 
 def absolute_path(path: str) -> str:

@@ -236,7 +236,19 @@ _SAMPLING: dict[str, Any] = {
     "use_beam_search": _unsupported({"type": "boolean", "const": False}, "false"),
     "guided_whitespace_pattern": _unsupported({"type": "null"}, "null"),
     "structured_outputs": _unsupported({"type": "null"}, "null (send the guided_* fields)"),
-    "prompt_logprobs": _unsupported({"type": "null"}, "null"),
+    "prompt_logprobs": {
+        "type": "integer",
+        "minimum": 0,
+        "maximum": _MAX_LOGPROBS,
+        "description": "Extension (vLLM): each prompt token's logprob given the tokens before it (the first has none), "
+        "its rank and this many most likely tokens at its position, in the reply's prompt_logprobs; the prompt skips "
+        "the prefix cache. Above 0 refused with stream",
+    },
+}
+# vLLM's: prompt_logprobs above 0 do not stream (a 400).
+_STREAMED_PROMPT_LOGPROBS = {
+    "required": ["prompt_logprobs", "stream"],
+    "properties": {"prompt_logprobs": {"type": "integer", "minimum": 1}, "stream": {"const": True}},
 }
 _LOGPROBS_NOTE = (
     "Log-probabilities of the model's raw distribution (before penalties, logit_bias, temperature, min_p, top_k "
@@ -304,6 +316,10 @@ def _schemas() -> dict[str, Any]:
             return _object(properties, head)
         return _object(properties, (*head, "usage"))
 
+    def with_prompt_logprobs(schema: dict[str, Any]) -> dict[str, Any]:
+        schema["properties"]["prompt_logprobs"] = prompt_logprobs  # set where the request asked (vLLM's place)
+        return schema
+
     # Null unless the request asked for log-probabilities; a stream's chunks carry those of their own tokens.
     chat_logprobs = {"oneOf": [{"type": "null"}, _ref("ChatLogprobs")]}
     text_logprobs = {"oneOf": [{"type": "null"}, _ref("CompletionLogprobs")]}
@@ -322,6 +338,21 @@ def _schemas() -> dict[str, Any]:
         "finish_reason": _nullable(finish),
     }
     text_choice = {"index": index, "text": {"type": "string"}, "logprobs": text_logprobs}
+    # vLLM's prompt_logprobs, where the request asked: one per prompt token, the first null.
+    prompt_logprobs = {
+        "type": "array",
+        "items": {"oneOf": [{"type": "null"}, {"type": "object", "additionalProperties": _ref("PromptLogprob")}]},
+        "description": "Per prompt token: null for the first; else token id -> its logprob, rank and text, the prompt "
+        "token first, then the prompt_logprobs most likely tokens",
+    }
+    prompt_logprob = _object(
+        {
+            "logprob": {"type": "number", "description": "-9999.0 for a token the model rules out"},
+            "rank": {"type": "integer", "minimum": 1, "description": "1: the most likely token"},
+            "decoded_token": {"type": "string"},
+        },
+        ("logprob", "rank", "decoded_token"),
+    )
     token = {
         "token": {"type": "string", "description": "The token decoded alone (part of a character reads U+FFFD)"},
         "logprob": {"type": "number", "description": "-9999.0 for a token the model rules out"},
@@ -336,11 +367,16 @@ def _schemas() -> dict[str, Any]:
     text_logprobs_object = _object(
         {
             "tokens": {"type": "array", "items": {"type": "string"}},
-            "token_logprobs": {"type": "array", "items": {"type": "number"}},
+            "token_logprobs": {
+                "type": "array",
+                "items": {"type": ["number", "null"]},
+                "description": "null for an echoed prompt's first token",
+            },
             "top_logprobs": {
                 "type": "array",
-                "items": {"type": "object", "maxProperties": _MAX_LOGPROBS + 1},
-                "description": "Per token: the `logprobs` most likely tokens and the sampled one, token -> logprob",
+                "items": {"oneOf": [{"type": "null"}, {"type": "object", "maxProperties": _MAX_LOGPROBS + 1}]},
+                "description": "Per token: the `logprobs` most likely tokens and the sampled one, token -> logprob "
+                "(null for an echoed prompt's first token)",
             },
             "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}},
         },
@@ -364,6 +400,7 @@ def _schemas() -> dict[str, Any]:
         "Usage": usage,
         "ChatLogprobs": _object({"content": {"type": "array", "items": chat_entry}}, ("content",)),
         "CompletionLogprobs": text_logprobs_object,
+        "PromptLogprob": prompt_logprob,
         "ChatMessage": message,
         "JsonSchemaFormat": _object(
             {
@@ -386,6 +423,8 @@ def _schemas() -> dict[str, Any]:
                 "tools": _unsupported({"type": "array", "maxItems": 0}, "[]"),
                 "functions": _unsupported({"type": "array", "maxItems": 0}, "[]"),
                 "tool_choice": _unsupported({"type": "string", "const": "none"}, '"none"'),
+                # vLLM's chat echo (the last message repeated when the reply has its role) is not completions' echo.
+                "echo": _unsupported({"type": "boolean", "const": False}, "false"),
                 "logprobs": {"type": "boolean", "description": _LOGPROBS_NOTE},
                 "top_logprobs": {
                     "type": "integer",
@@ -398,8 +437,16 @@ def _schemas() -> dict[str, Any]:
             {"model": "pirate", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
             # top_logprobs above 0 without logprobs true is a 400 (OpenAI's rule; 0 alone changes nothing, as in vLLM).
             refused={
-                "required": ["top_logprobs"],
-                "properties": {"top_logprobs": {"type": "integer", "minimum": 1}, "logprobs": {"not": {"const": True}}},
+                "anyOf": [
+                    {
+                        "required": ["top_logprobs"],
+                        "properties": {
+                            "top_logprobs": {"type": "integer", "minimum": 1},
+                            "logprobs": {"not": {"const": True}},
+                        },
+                    },
+                    _STREAMED_PROMPT_LOGPROBS,
+                ]
             },
             more_examples=[
                 {"model": "base", "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 3},
@@ -436,13 +483,41 @@ def _schemas() -> dict[str, Any]:
                     "maximum": _MAX_LOGPROBS,
                     "description": f"The sampled token's logprob and this many most likely tokens'. {_LOGPROBS_NOTE}",
                 },
-                "echo": _unsupported({"type": "boolean", "const": False}, "false"),
+                "max_tokens": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "description": "0 only with echo: no token is generated, the reply is the prompt (with logprobs, "
+                    "its tokens' logprobs: a text's score)",
+                },
+                "echo": {
+                    "type": "boolean",
+                    "description": "The prompt's text comes first in each choice's text (the first chunk of a stream) "
+                    "and, with logprobs, its tokens' entries before the completion's, the first with null logprob "
+                    "and top_logprobs",
+                },
                 "suffix": _unsupported({"type": "string", "maxLength": 0}, '""'),
                 "best_of": _unsupported({"type": "integer", "enum": [1]}, "1 (use n for several choices)"),
             },
             ("model", "prompt"),
             {"model": "base", "prompt": "Once upon a time", "max_tokens": 16},
+            refused={
+                "anyOf": [
+                    {
+                        "required": ["max_tokens"],
+                        "properties": {"max_tokens": {"const": 0}, "echo": {"not": {"const": True}}},
+                    },
+                    _STREAMED_PROMPT_LOGPROBS,
+                ]
+            },
             more_examples=[
+                {
+                    "model": "base",
+                    "prompt": "The capital of France is Paris.",
+                    "max_tokens": 0,
+                    "echo": True,
+                    "logprobs": 1,
+                },
+                {"model": "base", "prompt": "The capital of France is Paris.", "max_tokens": 1, "prompt_logprobs": 2},
                 {
                     "model": "base",
                     "prompt": "Once upon a time",
@@ -463,11 +538,13 @@ def _schemas() -> dict[str, Any]:
                 {"model": "base", "prompt": "Is the sky blue? Answer:", "guided_choice": ["yes", "no"]},
             ],
         ),
-        "ChatCompletion": reply("chat.completion", _object(chat_choice, tuple(chat_choice)), chunk=False),
+        "ChatCompletion": with_prompt_logprobs(
+            reply("chat.completion", _object(chat_choice, tuple(chat_choice)), chunk=False)
+        ),
         "ChatCompletionChunk": reply("chat.completion.chunk", _object(chunk_choice, tuple(chunk_choice)), chunk=True),
         "Completion": reply(
             "text_completion",
-            _object({**text_choice, "finish_reason": finish}, (*text_choice, "finish_reason")),
+            with_prompt_logprobs(_object({**text_choice, "finish_reason": finish}, (*text_choice, "finish_reason"))),
             chunk=False,
         ),
         "CompletionChunk": reply(

@@ -1,7 +1,7 @@
 """Validation of OpenAI request bodies: JSON in, a `ParsedBody` out, or a `FieldError` naming the field.
 
 Only what the gateway can honour is accepted; anything it would silently ignore in a way that changes
-the answer (best_of > 1, prompt logprobs, tools, several prompts) is refused with a 400 that says so.
+the answer (best_of > 1, tools, several prompts) is refused with a 400 that says so.
 protocols/openapi.py describes exactly this; tests/unit/protocols/test_openapi.py holds the two together.
 """
 
@@ -45,7 +45,6 @@ _VLLM_NO_OPS: dict[str, tuple[object, ...]] = {
     "use_beam_search": (False,),
     "guided_whitespace_pattern": (),
     "structured_outputs": (),  # vLLM's newer spelling of the guided_* fields: send those
-    "prompt_logprobs": (),
 }
 # Structured outputs: OpenAI's response_format types, vLLM's guided_* fields and the engine's kind of each.
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
@@ -83,6 +82,10 @@ class ParsedBody:
     n: int = 1  # choices
     cache_salt: str | None = None
     structured_field: str | None = None  # the field the structured output constraint came from, if any
+    # OpenAI's echo (completions): the prompt's text, and with logprobs its tokens' entries, come first.
+    echo: bool = False
+    # vLLM's prompt_logprobs as the client asked (the engine may be asked for more: `sampling.prompt_logprobs`).
+    prompt_logprobs: int | None = None
 
 
 def parse_chat(data: object, base_name: str) -> ParsedBody:
@@ -103,6 +106,8 @@ def parse_chat(data: object, base_name: str) -> ParsedBody:
     max_tokens = _int(body, "max_tokens", 1)
     newer = _int(body, "max_completion_tokens", 1)
     wanted = (top or 0) if logprobs else None
+    # vLLM's chat echo repeats the last message when the reply has its role: not this (completions') echo.
+    _no_op(body, "echo", "echo is not supported on chat completions", False)
     return _common(body, base_name, None, messages, max_tokens if newer is None else newer, wanted)
 
 
@@ -118,14 +123,16 @@ def parse_completion(data: object, base_name: str) -> ParsedBody:
         raise _bad("prompt must be a string (token-id prompts are not supported)", "prompt")
     _text(prompt, "prompt")
     logprobs = _logprobs_count(body, "logprobs")
-    _no_op(body, "echo", "echo is not supported", False)
+    echo = _flag(body, "echo")
     _no_op(body, "suffix", "suffix is not supported", "")
     # vLLM V1 refuses best_of > 1 (it removed best_of: vllm-project/vllm#13361) and takes 1 as a no-op, which
     # clients such as LangChain send with any n.
     best_of = _int(body, "best_of", 1)
     if best_of not in (None, 1):
         raise _bad("best_of > 1 is not supported; use n for several choices", "best_of")
-    return _common(body, base_name, prompt, None, _int(body, "max_tokens", 1), logprobs)
+    # vLLM's: max_tokens 0 with echo scores the prompt alone (lm-evaluation-harness's loglikelihood requests).
+    max_tokens = _int(body, "max_tokens", 0 if echo else 1)
+    return _common(body, base_name, prompt, None, max_tokens, logprobs, echo)
 
 
 def parse_model(model: str, base_name: str) -> str | None:
@@ -147,6 +154,7 @@ def _common(
     messages: tuple[ChatMessage, ...] | None,
     max_tokens: int | None,
     logprobs: int | None,
+    echo: bool = False,
 ) -> ParsedBody:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -177,6 +185,14 @@ def _common(
     if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
         raise _bad(f"min_tokens must be at most max_tokens ({max_tokens}), got {min_tokens}", "min_tokens")
     structured_field, structured_kind, structured_spec = _structured_output(body)
+    prompt_logprobs = _logprobs_count(body, "prompt_logprobs")
+    if prompt_logprobs and stream:  # vLLM's refusal, in its words (0 asks for nothing a stream would carry)
+        raise _bad("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    # The engine's count: the client's prompt_logprobs, echo's entries (as many top tokens as logprobs: vLLM's),
+    # and none for echo with max_tokens 0, which needs the engine's prompt-only mode all the same.
+    counts = [] if prompt_logprobs is None or stream else [prompt_logprobs]
+    counts += [logprobs] if echo and logprobs is not None else []
+    counts += [0] if echo and max_tokens == 0 else []
     sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
@@ -196,6 +212,7 @@ def _common(
         include_stop_str_in_output=_flag(body, "include_stop_str_in_output"),
         structured_kind=structured_kind,
         structured_spec=structured_spec,
+        prompt_logprobs=max(counts) if counts else None,
     )
     return ParsedBody(
         model=model,
@@ -209,6 +226,8 @@ def _common(
         n=n,
         cache_salt=cache_salt,
         structured_field=structured_field,
+        echo=echo,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -337,11 +356,13 @@ def _flag(body: dict[str, Any], name: str) -> bool:
 
 
 def _logprobs_count(body: dict[str, Any], name: str) -> int | None:
-    """A count of most likely tokens to return beside each sampled one: 0 to 20; above, refused in vLLM's words."""
+    """A count of most likely tokens to return beside each sampled (or prompt) token: 0 to 20; above, refused in
+    vLLM's words."""
     count = _int(body, name, 0)
     if count is not None and count > _MAX_LOGPROBS:
+        kind = "prompt" if name == "prompt_logprobs" else "sample"
         raise _bad(
-            f"Requested sample logprobs of {count}, which is greater than max allowed: {_MAX_LOGPROBS} "
+            f"Requested {kind} logprobs of {count}, which is greater than max allowed: {_MAX_LOGPROBS} "
             f"(parameter={name}, value={count})",
             name,
         )

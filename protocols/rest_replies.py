@@ -13,11 +13,11 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.api import Done, Error, TokenChunk
+from gateway.api import Done, Error, PromptLogprobs, TokenChunk
 from gateway.errors import Status
 from protocols.rest_choices import ChoiceEvent
 from protocols.rest_input import ParsedBody
-from protocols.rest_logprobs import ReplyLogprobs
+from protocols.rest_logprobs import ReplyLogprobs, prompt_logprobs_reply
 
 # Status -> (HTTP status, OpenAI error type): the one place REST turns outcomes into wire codes.
 HTTP_STATUS: dict[Status, tuple[int, str]] = {
@@ -69,7 +69,13 @@ async def whole_reply(
     parts: list[list[str]] = [[] for _ in range(n)]
     dones: list[Done | None] = [None] * n
     logprobs = [ReplyLogprobs(chat) for _ in range(n)] if body.sampling.logprobs is not None else None
+    prompts: list[PromptLogprobs | None] = [None] * n
     async for index, event in events:
+        if type(event) is TokenChunk or type(event) is Done:
+            if event.prompt_logprobs is not None:  # on the first event: before its own entries
+                prompts[index] = event.prompt_logprobs
+                if body.echo and logprobs is not None:
+                    logprobs[index].add_prompt(body.prompt or "", event.prompt_logprobs, body.sampling.logprobs or 0)
         if type(event) is TokenChunk:
             parts[index].append(event.text)
             if logprobs is not None:
@@ -89,8 +95,11 @@ async def whole_reply(
             message = {"role": "assistant", "content": text}
             choices.append({"index": index, "message": message, "logprobs": taken, "finish_reason": done.finish_reason})
         else:
+            text = (body.prompt or "") + text if body.echo else text
             choices.append({"index": index, "text": text, "logprobs": taken, "finish_reason": done.finish_reason})
-    reply = {
+            if body.prompt_logprobs is not None:  # vLLM's: a field of each completion choice
+                choices[-1]["prompt_logprobs"] = _prompt_logprobs(prompts[index], body.prompt_logprobs)
+    reply: dict[str, Any] = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
@@ -98,6 +107,8 @@ async def whole_reply(
         "choices": choices,
         "usage": _usage(finished),
     }
+    if chat and body.prompt_logprobs is not None:  # vLLM's: a field of the chat reply (the choices share a prompt)
+        reply["prompt_logprobs"] = _prompt_logprobs(prompts[0], body.prompt_logprobs)
     headers = {"X-Request-Id": request_id}
     if finished[0].adapter_version:
         headers["X-Adapter-Version"] = finished[0].adapter_version
@@ -141,6 +152,13 @@ async def stream_reply(
     plain = logprobs_key + b"null" + close
     # Chunks of requests that asked for log-probabilities carry those of their tokens; the others a constant.
     logprobs = [ReplyLogprobs(chat) for _ in range(n)] if body.sampling.logprobs is not None else None
+
+    def suffix_of(index: int) -> bytes:
+        """The end of a text chunk of choice `index`: the log-probabilities added since its last chunk."""
+        if logprobs is None:
+            return plain
+        return logprobs_key + json.dumps(logprobs[index].take()).encode() + close
+
     headers = {**_SSE_HEADERS, "X-Request-Id": request_id}
     first = held[0][1]
     version = first.adapter_version if isinstance(first, TokenChunk | Done) else None
@@ -157,17 +175,26 @@ async def stream_reply(
             pending += b"data: " + (head + role + '"finish_reason":null}]}').encode() + b"\n\n"
     final = b""
     dones: list[Done] = []
+    echoing = set(range(n)) if body.echo else set()  # choices whose prompt is still to go out (vLLM's echo)
     while True:
         tagged = held.popleft() if held else await anext(events, None)
         if tagged is None:
             break
         index, event = tagged
+        text = event.text if type(event) is TokenChunk else ""
+        if index in echoing and (type(event) is TokenChunk or type(event) is Done):
+            # The prompt goes first: with the choice's first chunk, or in a chunk of its own before its end.
+            echoing.discard(index)
+            if logprobs is not None and event.prompt_logprobs is not None:
+                logprobs[index].add_prompt(body.prompt or "", event.prompt_logprobs, body.sampling.logprobs or 0)
+            text = (body.prompt or "") + text
+            if type(event) is Done:
+                await response.write(pending + prefixes[index] + json.dumps(text).encode() + suffix_of(index))
+                pending = b""
         if type(event) is TokenChunk:
-            suffix = plain
             if logprobs is not None:
                 logprobs[index].add(event.text, event.logprobs)
-                suffix = logprobs_key + json.dumps(logprobs[index].take()).encode() + close
-            await response.write(pending + prefixes[index] + json.dumps(event.text).encode() + suffix)
+            await response.write(pending + prefixes[index] + json.dumps(text).encode() + suffix_of(index))
             pending = b""
         elif type(event) is Done:
             reason = json.dumps(event.finish_reason)
@@ -210,6 +237,10 @@ def event_error(event: Error, request_id: str, body: ParsedBody) -> web.Response
         retry_after_s=event.retry_after_s,
         request_id=request_id,
     )
+
+
+def _prompt_logprobs(prompt: PromptLogprobs | None, top: int) -> list[dict[str, dict[str, Any]] | None] | None:
+    return None if prompt is None else prompt_logprobs_reply(prompt, top)
 
 
 def _usage(dones: Sequence[Done]) -> dict[str, Any]:

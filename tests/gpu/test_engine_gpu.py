@@ -23,6 +23,7 @@ from engine.sequence import RequestOutput
 from engine.step_forward import InFlight
 from tests.support.random_model import write_random_llama
 from tests.unit.engine.test_engine_logprobs import check_logprobs, run_recorded
+from tests.unit.engine.test_engine_prompt_logprobs import check_prompt_logprobs, first_with_prompt_logprobs
 from tests.unit.engine.test_logits_processing import EOS, ROWS, InFlightTokens, make_logits, make_seq
 from tests.unit.engine.tiny import write_adapter
 
@@ -319,6 +320,23 @@ def test_lora_inside_the_gemms_matches_the_separate_kernels(
         separate.stop()
 
 
+def _sync_then_async(
+    engine: LLMEngine, requests: dict[str, tuple[list[int], str | None, SamplingParams]]
+) -> Iterator[tuple[dict[str, list[RequestOutput]], dict[str, list[torch.Tensor]]]]:
+    """`run_recorded` of `requests` with sync steps, then with async ones: each run's outputs and logits rows by
+    request id."""
+    try:
+        for async_steps in (False, True):
+            engine.async_steps = async_steps
+            outputs, rows = run_recorded(engine, {f"{rid}-{async_steps}": r for rid, r in requests.items()})
+            yield (
+                {rid: outputs[f"{rid}-{async_steps}"] for rid in requests},
+                {rid: rows[f"{rid}-{async_steps}"] for rid in requests},
+            )
+    finally:
+        engine.async_steps = False
+
+
 def test_logprobs_computed_on_the_device_are_those_of_each_rows_logits(engines: tuple[LLMEngine, LLMEngine]) -> None:
     """Log-probabilities computed on the GPU and copied to page-locked memory beside the tokens, with decode
     graphs and prefills on their own stream, sync and async steps: each token's entry against its own row."""
@@ -333,15 +351,10 @@ def test_logprobs_computed_on_the_device_are_those_of_each_rows_logits(engines: 
     }
     assert graphed.graphs is not None
     replays = graphed.graphs.replays
-    try:
-        for async_steps in (False, True):
-            graphed.async_steps = async_steps
-            outputs, rows = run_recorded(graphed, {f"{rid}-{async_steps}": r for rid, r in requests.items()})
-            for rid, (_, _, params) in requests.items():
-                entries = check_logprobs(outputs[f"{rid}-{async_steps}"], rows[f"{rid}-{async_steps}"], params.logprobs)
-                assert len(entries) == (16 if params.logprobs is not None else 0)
-    finally:
-        graphed.async_steps = False
+    for outputs, rows in _sync_then_async(graphed, requests):
+        for rid, (_, _, params) in requests.items():
+            entries = check_logprobs(outputs[rid], rows[rid], params.logprobs)
+            assert len(entries) == (16 if params.logprobs is not None else 0)
     assert graphed.graphs.replays - replays >= 20  # the decode steps ran as graphs
 
 
@@ -437,3 +450,29 @@ def test_sampling_logprobs_and_inputs_of_a_step_in_flight_never_wait_for_the_gpu
     assert logprobs is not None and logprobs.rows == [1, 3]
     assert isinstance(ids, torch.Tensor) and ids.tolist() == [6, 7] and positions == [6, 6]
     assert tokens[0].item() == logits[0].argmax().item()
+
+
+def test_prompt_logprobs_under_graphs_are_those_of_the_whole_prompts_logits(
+    engines: tuple[LLMEngine, LLMEngine],
+) -> None:
+    """Prompts that ask for prompt log-probabilities run eagerly beside graphed decodes and prefill graphs (which
+    yield the last position's logits only), sync and async steps: their values are those of one whole-prompt
+    forward pass, and the other requests' tokens are the eager engine's."""
+    eager, graphed = engines
+    prompts = _prompts(graphed, 4)
+    plain = SamplingParams(max_tokens=8, ignore_eos=True)
+    requests = {
+        "asking": (prompts[2], None, SamplingParams(max_tokens=8, ignore_eos=True, prompt_logprobs=5)),
+        "alone": (prompts[1], None, SamplingParams(max_tokens=0, prompt_logprobs=20)),
+        "other": (prompts[0], None, plain),
+        "adapter": (prompts[3], "r16", plain),
+    }
+    want = _generate(eager, [(prompts[0], None), (prompts[3], "r16")], 8)
+    assert graphed.prefill_graphs is not None
+    replays = graphed.prefill_graphs.replays
+    for outputs, _ in _sync_then_async(graphed, requests):
+        for rid, top in (("asking", 5), ("alone", 20)):
+            check_prompt_logprobs(graphed, requests[rid][0], first_with_prompt_logprobs(outputs[rid]), top)
+        assert outputs["alone"][-1].completion_tokens == 0
+        assert [[t for o in outputs[rid] for t in o.token_ids] for rid in ("other", "adapter")] == want
+    assert graphed.prefill_graphs.replays - replays >= 4  # the other prompts still prefilled as graphs

@@ -488,3 +488,97 @@ def test_manifest_with_a_bad_source_is_refused_and_not_stored(gateway: ServerPro
     assert status == 400
     assert "adapter_config.json" in reply["error"]["message"]
     assert http_json("GET", f"{gateway.url}/admin/adapters/ghost")[0] == 404
+
+
+# Long enough for the prefix cache (blocks of 16 tokens) to hold most of it once it has been sent.
+SCORED = (
+    "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is Madrid. "
+    "The capital of Germany is Berlin."
+)
+
+
+def _check_prompt_logprobs(positions: list[Any], ids: list[int], top: int) -> None:
+    """vLLM's prompt_logprobs of a prompt of `ids` against the reference model's own log_softmax."""
+    reference = _reference(tuple(ids))  # row q: the distribution of token q + 1
+    assert len(positions) == len(ids) and positions[0] is None
+    for q, (position, token) in enumerate(zip(positions[1:], ids[1:], strict=True)):
+        row = reference[q]
+        listed = list(position)
+        assert listed[0] == str(token)  # the prompt token first (vLLM's order)
+        own = position[str(token)]
+        assert own["logprob"] == pytest.approx(float(row[token]), abs=2e-3)
+        assert own["decoded_token"] == _tokenizer().piece(token)[0]
+        # Its rank in the reference, where no other token lies within float noise of it.
+        close = int(((row - row[token]).abs() < 1e-3).sum())
+        if close == 1:
+            assert own["rank"] == int((row >= row[token]).sum())
+        best = row.topk(top)
+        others = [position[str(i)]["logprob"] for i in best.indices.tolist()]
+        assert others == pytest.approx(best.values.tolist(), abs=2e-3)
+        assert len(position) in (top, top + 1)
+
+
+def test_prompt_logprobs_are_the_models_own_even_for_a_cached_prompt(client: openai.OpenAI) -> None:
+    ids = _tokenizer().encode(SCORED)
+    salt = {"cache_salt": uuid.uuid4().hex}  # a prefix cache of its own: other tests' prompts do not count
+    warm = client.completions.create(model="base", prompt=SCORED, max_tokens=1, temperature=0, extra_body=salt)
+    again = client.completions.create(model="base", prompt=SCORED, max_tokens=1, temperature=0, extra_body=salt)
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens > 0 and warm.choices[0].text == again.choices[0].text
+    # The same prompt with prompt_logprobs: prefilled whole (no cached start), every position's values.
+    reply = client.completions.create(
+        model="base", prompt=SCORED, max_tokens=1, temperature=0, extra_body={**salt, "prompt_logprobs": 3}
+    )
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0
+    choice = reply.choices[0]
+    assert choice.text == warm.choices[0].text  # the completion is unchanged
+    _check_prompt_logprobs((choice.model_extra or {})["prompt_logprobs"], ids, 3)
+
+
+def test_chat_prompt_logprobs_are_a_field_of_the_reply(client: openai.OpenAI) -> None:
+    from tests.support.hf_reference import chat_prompt_ids
+
+    messages: list[Any] = [{"role": "user", "content": PROMPT}]
+    reply = client.chat.completions.create(
+        model="base", messages=messages, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    _check_prompt_logprobs((reply.model_extra or {})["prompt_logprobs"], chat_prompt_ids(messages), 2)
+
+
+def test_echo_scores_a_text_as_lm_evaluation_harness_asks(client: openai.OpenAI) -> None:
+    """echo with logprobs: the prompt's text and its tokens' logprobs (the first null) before the completion's;
+    with max_tokens 0 the prompt alone (a text's score), streamed or not."""
+    ids = _tokenizer().encode(SCORED)
+    reference = _reference(tuple(ids))
+    want = [float(reference[q][t]) for q, t in enumerate(ids[1:])]
+    scored = client.completions.create(model="base", prompt=SCORED, echo=True, logprobs=1, max_tokens=0)
+    choice = scored.choices[0]
+    logprobs = choice.logprobs
+    assert choice.text == SCORED and choice.finish_reason == "length"
+    assert logprobs is not None and logprobs.tokens == [_tokenizer().piece(t)[0] for t in ids]
+    assert logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:] == pytest.approx(want, abs=2e-3)
+    assert all(len(top) in (1, 2) for top in logprobs.top_logprobs[1:])
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(ids))]
+    assert scored.usage is not None and (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (len(ids), 0)
+    # lm-evaluation-harness's own request: one greedy token more, whose entry comes last.
+    harness = client.completions.create(model="base", prompt=SCORED, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    h = harness.choices[0]
+    assert h.logprobs is not None and h.logprobs.token_logprobs is not None and h.logprobs.tokens is not None
+    assert h.text.startswith(SCORED) and len(h.logprobs.tokens) == len(ids) + 1
+    assert h.logprobs.token_logprobs[1:-1] == pytest.approx(want, abs=2e-3)
+    assert h.text == SCORED + h.logprobs.tokens[-1]
+    for max_tokens in (0, 3):
+        stream = client.completions.create(
+            model="base", prompt=SCORED, echo=True, logprobs=1, max_tokens=max_tokens, temperature=0, stream=True
+        )
+        chunks = [c.choices[0] for c in stream if c.choices]
+        whole = client.completions.create(
+            model="base", prompt=SCORED, echo=True, logprobs=1, max_tokens=max_tokens, temperature=0
+        ).choices[0]
+        assert chunks[0].text.startswith(SCORED) and "".join(c.text for c in chunks) == whole.text
+        streamed = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs or []]
+        assert whole.logprobs is not None and whole.logprobs.token_logprobs is not None
+        assert streamed[0] is None and streamed[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-6)

@@ -31,6 +31,7 @@ from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput, Sequence
 from engine.step_forward import StepForward
 from tests.support.random_model import write_tiny_llama
+from tests.unit.engine.test_engine_prompt_logprobs import check_prompt_logprobs, first_with_prompt_logprobs
 from tests.unit.engine.tiny import write_adapter
 
 MAX_LEN = 300  # KV-length buckets 256 and 300; prefill buckets 16 to 256
@@ -433,3 +434,41 @@ def test_graphed_steps_give_the_eager_engines_tokens(
     assert bool(keys) == decode_graphs and bool(prompts) == prefill_graphs
     assert engine.prefix_cache.hit_tokens >= 4 * 40, "the shared starts were not read from the prefix cache"
     assert (engine.forward.folded_rows > 0) == decode_graphs  # the rests of those prompts, in decode graphs
+
+
+@pytest.mark.parametrize("async_steps", ["off", "on"])
+def test_prompts_asking_for_prompt_logprobs_run_eagerly_beside_prefill_graphs(
+    async_steps: str, model: Path, request: pytest.FixtureRequest
+) -> None:
+    """A prefill graph yields its prompt's last position's logits only: a prompt that asks for every position's
+    runs eagerly (and gets the whole prompt's values), the others beside it still as graphs, token for token
+    the eager engine's."""
+    requests = {
+        "plain": (prompt(20), SamplingParams(max_tokens=6)),
+        "asking": (prompt(24), SamplingParams(max_tokens=6, prompt_logprobs=4)),
+        "scored": (prompt(30), SamplingParams(max_tokens=0, prompt_logprobs=1)),
+    }
+    engines = [
+        new_engine(model, fused=graphed, async_steps=async_steps, lora_gemm="off", fills_ahead=0)
+        for graphed in (False, True)
+    ]
+    # Only now (the engines made, their tokenizers loaded): the stand-ins for CUDA's streams and graph capture.
+    replays: list[object] = request.getfixturevalue("replays")
+    graph(engines[1], request.getfixturevalue("prefill_stream"))
+    del replays[:]
+    outputs: list[dict[str, Outputs]] = []
+    try:
+        for engine in engines:
+            sinks = {rid: Outputs() for rid in requests}
+            for rid, (ids, params) in requests.items():
+                engine.add_request(rid, ids, params, None, sinks[rid])
+            engine.run_until_idle()
+            for rid, top in (("asking", 4), ("scored", 1)):
+                check_prompt_logprobs(engine, requests[rid][0], first_with_prompt_logprobs(sinks[rid].outputs), top)
+            outputs.append(sinks)
+    finally:
+        for engine in engines:
+            engine.stop()
+    assert [key for key in replays if isinstance(key, tuple)] == [(32, False)]  # "plain"'s prefill graph only
+    eager, graphed = ({rid: o.summary for rid, o in sinks.items()} for sinks in outputs)
+    assert graphed == eager and graphed["scored"] == ([], "", "length")

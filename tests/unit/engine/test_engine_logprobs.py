@@ -33,8 +33,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("logprobs-model"))
 
 
-def tiny_engine(model: Path, async_steps: str, max_num_seqs: int = 8) -> LLMEngine:
-    """An engine on the tiny model, on the CPU in float32, stepping synchronously or not (`async_steps`)."""
+def tiny_engine(model: Path, async_steps: str, max_num_seqs: int = 8, **settings: Any) -> LLMEngine:
+    """An engine on the tiny model, on the CPU in float32, stepping synchronously or not (`async_steps`); other
+    `EngineConfig` settings as given."""
     config = EngineConfig(
         model=str(model),
         device="cpu",
@@ -42,6 +43,7 @@ def tiny_engine(model: Path, async_steps: str, max_num_seqs: int = 8) -> LLMEngi
         max_num_seqs=max_num_seqs,
         max_model_len=64,
         async_steps=async_steps,
+        **settings,
     )
     return LLMEngine(config)
 

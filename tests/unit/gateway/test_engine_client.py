@@ -11,7 +11,15 @@ import pytest
 
 from bench.fast_engine import FastEngineFixture, FastEngineOptions, fixture_logprobs
 from engine import engine_pb2 as pb
-from gateway.api import Done, GatewayRequest, SamplingParams, TokenChunk, TokenLogprob, TokenLogprobs
+from gateway.api import (
+    Done,
+    GatewayRequest,
+    PromptLogprobs,
+    SamplingParams,
+    TokenChunk,
+    TokenLogprob,
+    TokenLogprobs,
+)
 from gateway.engine_client import EnginePool
 from gateway.engine_wire import SMALLEST_TOP_P, generate_request
 from gateway.errors import InvalidRequest
@@ -67,9 +75,9 @@ async def test_logprobs_are_asked_for_and_come_back_with_their_chunks(engines: l
         plain = await _collect(pool, _request(max_tokens=2))
     sent = [r.sampling for r in engines[0].requests_seen]
     assert sent[0].HasField("logprobs") and sent[0].logprobs == 2 and not sent[1].HasField("logprobs")
-    tok = TokenLogprob("tok ", b"tok ", -0.25)
-    expected = TokenLogprobs(tok, (tok, TokenLogprob("alt1", b"alt1", -1.0)))
-    assert events[:2] == [TokenChunk("tok ", 1, None, (expected,))] * 2
+    alt = TokenLogprob("alt1", b"alt1", -1.0, 1001)
+    toks = [TokenLogprob("tok ", b"tok ", -0.25, i) for i in range(2)]  # the fixture's ids: each token's index
+    assert events[:2] == [TokenChunk("tok ", 1, None, (TokenLogprobs(tok, (tok, alt)),)) for tok in toks]
     assert plain[:2] == [TokenChunk("tok ", 1)] * 2
 
 
@@ -90,17 +98,50 @@ class _HeldBackEngine(FastEngineFixture):
 
 
 async def test_logprobs_of_held_back_tokens_wait_for_their_text_and_none_is_lost() -> None:
-    def entry(token: str) -> TokenLogprobs:
-        sampled = TokenLogprob(token, token.encode(), -0.25)
+    def entry(token: str, token_id: int) -> TokenLogprobs:
+        sampled = TokenLogprob(token, token.encode(), -0.25, token_id)
         return TokenLogprobs(sampled, (sampled,))
 
     async with _HeldBackEngine() as engine, EnginePool([f"127.0.0.1:{engine.port}"]) as pool:
         events = await _collect(pool, _request())
     assert events[:2] == [
-        TokenChunk("EN", 2, None, (entry("E"), entry("N"))),
-        TokenChunk("", 1, None, (entry("D"),)),  # the stop string's last token: no text, but its logprobs
+        TokenChunk("EN", 2, None, (entry("E", 0), entry("N", 1))),
+        TokenChunk("", 1, None, (entry("D", 2),)),  # the stop string's last token: no text, but its logprobs
     ]
     assert isinstance(events[2], Done) and events[2].usage.completion_tokens == 3
+
+
+class _PromptLogprobsEngine(FastEngineFixture):
+    """Sends a prompt's log-probabilities with its first message past admission, as the engine does: with a token
+    whose text is held back, or (max_tokens 0) with the final message."""
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        prompt = pb.PromptLogprobs(
+            first=pb.TokenLogprob(token_id=7, token="Hi", token_bytes=b"Hi"),
+            rest=[fixture_logprobs(" there", 8, 1)],
+            ranks=[3],
+        )
+        yield pb.GenerateResponse(request_id=request.request_id, admitted=True)
+        usage = pb.Usage(prompt_tokens=2, completion_tokens=0)
+        if request.sampling.prompt_only:
+            yield pb.GenerateResponse(finish_reason="length", usage=usage, prompt_logprobs=prompt)
+            return
+        yield pb.GenerateResponse(token_ids=(0,), prompt_logprobs=prompt)
+        yield pb.GenerateResponse(text="EN", token_ids=(1,))
+        yield pb.GenerateResponse(finish_reason="length", usage=usage)
+
+
+async def test_prompt_logprobs_come_once_with_the_first_event() -> None:
+    there = TokenLogprob(" there", b" there", -0.25, 8)
+    want = PromptLogprobs(TokenLogprob("Hi", b"Hi", 0.0, 7), (TokenLogprobs(there, (there,)),), (3,))
+    sampling = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    async with _PromptLogprobsEngine() as engine, EnginePool([f"127.0.0.1:{engine.port}"]) as pool:
+        events = await _collect(pool, dataclasses.replace(_request(), sampling=sampling))
+        alone = await _collect(pool, dataclasses.replace(_request(), sampling=SamplingParams(0, prompt_logprobs=1)))
+    # The first message's token has no text yet: the prompt's log-probabilities wait for the chunk that has some.
+    assert events[0] == TokenChunk("EN", 2, None, (), want)
+    assert isinstance(events[1], Done) and events[1].prompt_logprobs is None
+    assert len(alone) == 1 and isinstance(alone[0], Done) and alone[0].prompt_logprobs == want
 
 
 async def test_registers_adapter_once_with_absolute_path(engines: list[FastEngineFixture]) -> None:

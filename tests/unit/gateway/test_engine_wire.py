@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine import engine_pb2 as pb
+from engine.engine import EngineError
 from engine.sampling import SamplingParams as EngineSampling
 from engine.server import EngineService
 from gateway.api import GatewayRequest, SamplingParams
@@ -69,3 +70,21 @@ def test_stop_options_reach_the_engine() -> None:
         got.validate(vocab_size=7)
     off = _engine_side(SamplingParams())
     assert (off.ignore_eos, off.stop_token_ids, off.include_stop_str_in_output) == (False, (), False)
+
+
+def test_prompt_logprobs_reach_the_engine_and_max_tokens_0_asks_for_the_prompt_alone() -> None:
+    got = _engine_side(SamplingParams(max_tokens=5, prompt_logprobs=3))
+    assert (got.prompt_logprobs, got.max_tokens) == (3, 5)
+    # The wire's max_tokens 0 is the engine default: prompt_only says "no token" (echo with max_tokens 0).
+    alone = _engine_side(SamplingParams(max_tokens=0, prompt_logprobs=0))
+    assert (alone.prompt_logprobs, alone.max_tokens) == (0, 0)
+    alone.validate(vocab_size=100)
+    default = _engine_side(SamplingParams(prompt_logprobs=1))
+    assert (default.prompt_logprobs, default.max_tokens) == (1, 16)
+    assert _engine_side(SamplingParams()).prompt_logprobs is None
+    engine = SimpleNamespace(max_model_len=64, config=SimpleNamespace(default_max_tokens=16))
+    with pytest.raises(EngineError, match="prompt_only needs prompt_logprobs"):
+        EngineService(engine)._sampling(pb.SamplingParams(prompt_only=True), 3)  # type: ignore[arg-type]
+    with pytest.raises(EngineError, match="max_tokens 0"):
+        wire = pb.SamplingParams(prompt_only=True, prompt_logprobs=1, max_tokens=2)
+        EngineService(engine)._sampling(wire, 3)  # type: ignore[arg-type]

@@ -209,7 +209,21 @@ async def test_completion_stream_without_usage(
         ("/v1/chat/completions", _chat(model="base:"), "model", "names no adapter"),
         ("/v1/completions", {"model": "base", "prompt": [1, 2]}, "prompt", "send exactly one prompt"),
         ("/v1/completions", {"model": "base", "prompt": [[1, 2]]}, "prompt", "token-id prompts"),
-        ("/v1/completions", {"model": "base", "prompt": "x", "echo": True}, "echo", "not supported"),
+        ("/v1/chat/completions", _chat(echo=True), "echo", "not supported on chat completions"),
+        ("/v1/completions", {"model": "base", "prompt": "x", "max_tokens": 0}, "max_tokens", "at least 1"),
+        ("/v1/completions", {"model": "base", "prompt": "x", "echo": True, "max_tokens": -1}, "max_tokens", "least 0"),
+        ("/v1/completions", {"model": "base", "prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", "max allowed"),
+        ("/v1/completions", {"model": "base", "prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs", "at least 0"),
+        ("/v1/completions", {"model": "base", "prompt": "x", "prompt_logprobs": True}, "prompt_logprobs", "integer"),
+        ("/v1/completions", {"model": "base", "prompt": "x", "prompt_logprobs": 1.5}, "prompt_logprobs", "integer"),
+        ("/v1/chat/completions", _chat(prompt_logprobs="2"), "prompt_logprobs", "must be an integer"),
+        ("/v1/chat/completions", _chat(prompt_logprobs=1, stream=True), "prompt_logprobs", "not available when"),
+        (
+            "/v1/completions",
+            {"model": "base", "prompt": "x", "prompt_logprobs": 3, "stream": True},
+            "prompt_logprobs",
+            "`stream=True`",
+        ),
         # Shapes that once escaped validation and crashed a handler (500) or the engine call.
         ("/v1/chat/completions", _chat(messages=[{"role": ["user"], "content": "x"}]), "messages[0].role", "role"),
         ("/v1/chat/completions", _chat(messages=[{"role": {}, "content": "x"}]), "messages[0].role", "role"),
@@ -240,7 +254,7 @@ async def test_completion_stream_without_usage(
         ("/v1/chat/completions", _chat(min_tokens=6, max_tokens=5), "min_tokens", "at most max_tokens (5)"),
         ("/v1/chat/completions", _chat(tools={}), "tools", "not supported"),
         ("/v1/chat/completions", _chat(top_logprobs=2), "top_logprobs", "needs logprobs to be true"),
-        ("/v1/completions", {"model": "base", "prompt": "x", "echo": 0}, "echo", "not supported"),
+        ("/v1/completions", {"model": "base", "prompt": "x", "echo": 0}, "echo", "must be true or false"),
     ],
 )
 async def test_bad_input_is_a_400_naming_the_problem(

@@ -146,6 +146,7 @@ async def test_a_token_the_model_rules_out_has_openais_floor_not_minus_infinity(
 
 
 LIMIT = "Requested sample logprobs of 21, which is greater than max allowed: 20"
+PROMPT_LIMIT = "Requested prompt logprobs of 21, which is greater than max allowed: 20"
 
 
 @pytest.mark.parametrize(
@@ -161,7 +162,7 @@ LIMIT = "Requested sample logprobs of 21, which is greater than max allowed: 20"
         ("/v1/completions", {"model": "base", "prompt": "x", "logprobs": 21}, "logprobs", LIMIT),
         ("/v1/completions", {"model": "base", "prompt": "x", "logprobs": -1}, "logprobs", "at least 0"),
         ("/v1/completions", {"model": "base", "prompt": "x", "logprobs": True}, "logprobs", "must be an integer"),
-        ("/v1/completions", {"model": "base", "prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+        ("/v1/completions", {"model": "base", "prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", PROMPT_LIMIT),
     ],
 )
 async def test_out_of_range_logprobs_are_400s_naming_the_field(
