@@ -4,6 +4,7 @@ flight, prompts prefilled in chunks, and the logits against the eager model's.""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import cast
 
 import torch
@@ -126,3 +127,22 @@ def test_a_prompt_prefilled_in_chunks_beside_graphed_decoding_rows_ends_as_a_who
     b.output_ids = [7]
     order, logits = forward.logits([b], {}, None)
     torch.testing.assert_close(logits, _eager(eager_kv, [(b, [7], len(b.prompt_ids))]), rtol=1e-4, atol=1e-4)
+
+
+def test_a_chunk_of_a_prompt_asking_for_prompt_logprobs_stays_out_of_the_decode_graph(replays: list[object]) -> None:
+    # The decode graph keeps a folded chunk's last row only: every position's logits would be lost.
+    graphed_kv, _ = _caches()
+    stacks = _stacks(fused=True)
+    graphs = cuda_graphs.DecodeGraphs(_model(), graphed_kv, stacks, 4, None)
+    graphs.capture_all()
+    forward = StepForward(_model(), graphed_kv, stacks, CPU, graphs)
+    a, b = _seq("a", [5, 6, 7], 0, 0), _seq("b", [3, 1, 4, 1, 5], 1, 1)
+    b.params = dataclasses.replace(b.params, prompt_logprobs=2)
+    _eager(graphed_kv, [(a, a.prompt_ids, 0)])
+    a.output_ids, a.status = [9], SeqStatus.RUNNING
+    b.status, b.prefilled = SeqStatus.RUNNING, 2  # its first chunk ran
+    b.prefilled += 3
+    order, _ = forward.logits([a, b], {b: 3}, None)
+    assert order == [a, b] and forward.folded_rows == 0
+    assert replays[-1] == cuda_graphs.GraphKey(1, 256, True, False)  # a alone in the graph
+    assert [part.targets for part in forward.prompt_rows] == [[1, 5]]  # its positions 2-3 predict these, eagerly
