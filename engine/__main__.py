@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine") -> None:
     if not 0 <= args.drain_timeout_s < float("inf"):
         raise SystemExit(f"invalid engine configuration: --drain-timeout-s must be >= 0, got {args.drain_timeout_s}")
 
-    from engine.engine import EngineError, LLMEngine
+    from engine.engine import LLMEngine
+    from engine.errors import EngineError
 
     try:
         engine = LLMEngine(config_from(args))

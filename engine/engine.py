@@ -22,6 +22,7 @@ from engine.adapter_loader import make_loader
 from engine.adapters import AdapterError
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, PrefillGraphs
+from engine.errors import EngineError, prompt_too_long
 from engine.eviction import DecayedFrequencyPolicy, LRUPolicy
 from engine.kv_cache import KVCache, kv_slots
 from engine.loader import load_weights, resolve_model
@@ -40,24 +41,6 @@ from engine.structured import StructuredOutputs
 from engine.tokenizer import IncrementalDecoder, Tokenizer
 
 log = logging.getLogger("engine")
-
-
-class EngineError(Exception):
-    """A request or command the engine refuses; `code` is a gRPC status name."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-def prompt_too_long(prompt_len: int, max_model_len: int) -> EngineError:
-    """The refusal of a prompt that leaves no room for output, worded as vLLM and OpenAI word it: clients
-    (LiteLLM, LangChain) tell a context overflow by the phrase."""
-    return EngineError(
-        "INVALID_ARGUMENT",
-        f"This model's maximum context length is {max_model_len} tokens; the prompt has {prompt_len}. "
-        "Shorten the prompt.",
-    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,8 @@ import grpc
 
 from engine import engine_pb2 as pb
 from engine import engine_pb2_grpc as pb_grpc
-from engine.engine import EngineError, LLMEngine, prompt_too_long
+from engine.engine import LLMEngine
+from engine.errors import EngineError, prompt_too_long
 from engine.pool import AdapterVersion
 from engine.sampling import STRUCTURED_KINDS, SamplingParams
 from engine.sequence import RequestOutput

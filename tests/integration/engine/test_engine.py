@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import engine.adapter_loader as loader_module
-from engine.engine import EngineError, LLMEngine
+from engine.engine import LLMEngine
+from engine.errors import EngineError
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 from tests.integration.engine.conftest import Collector, run

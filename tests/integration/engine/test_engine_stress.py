@@ -21,7 +21,8 @@ import torch
 import engine.engine as engine_module
 from engine.adapters import load_adapter, read_spec
 from engine.config import EngineConfig
-from engine.engine import EngineError, LLMEngine
+from engine.engine import LLMEngine
+from engine.errors import EngineError
 from engine.lora import SlotLayout
 from engine.pinned_arena import PinnedArena
 from engine.pool import AdapterVersion

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.engine import EngineError, LLMEngine
+from engine.engine import LLMEngine
+from engine.errors import EngineError
 from engine.logprobs import PromptLogprob
 from engine.model import SeqSlice
 from engine.sampling import SamplingParams

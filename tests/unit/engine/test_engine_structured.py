@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine.engine import EngineError, LLMEngine
+from engine.engine import LLMEngine
+from engine.errors import EngineError
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 from tests.support.random_model import write_tiny_llama

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine import engine_pb2 as pb
-from engine.engine import EngineError
+from engine.errors import EngineError
 from engine.sampling import SamplingParams as EngineSampling
 from engine.server import EngineService
 from gateway.api import GatewayRequest, SamplingParams
