@@ -22,8 +22,8 @@ import grpc
 from engine import engine_pb2 as pb
 from engine import engine_pb2_grpc as pb_grpc
 from gateway.affinity import LOAD_SLACK, AffinityTable
-from gateway.api import Done, GatewayRequest, PromptLogprobs, TokenChunk, TokenLogprobs, Usage
-from gateway.engine_wire import absolute_path, generate_request, prompt_logprobs, token_logprobs
+from gateway.api import Done, GatewayRequest, TokenChunk
+from gateway.engine_wire import ResponseEvents, absolute_path, generate_request
 from gateway.errors import (
     DeadlineExceeded,
     GatewayError,
@@ -208,37 +208,18 @@ class EnginePool:
         replica.calls.add(call)
         if engine_name:
             replica.active[engine_name] = replica.active.get(engine_name, 0) + 1
-        admitted = finished = sent_text = False
-        pending_tokens = 0
-        # Those of tokens whose text is held back (a possible stop string, part of a character) wait with them.
-        pending_logprobs: tuple[TokenLogprobs, ...] = ()
-        pending_prompt: PromptLogprobs | None = None
+        admitted = finished = False
+        events = ResponseEvents(adapter.version if adapter is not None else None)
         try:
             while True:
                 response = await call.read()
                 if response is grpc.aio.EOF:
                     break
                 admitted = True
-                pending_tokens += len(response.token_ids)
-                if response.logprobs:
-                    pending_logprobs += token_logprobs(response.logprobs)
-                if response.HasField("prompt_logprobs"):  # once: with the first event that goes out
-                    pending_prompt = prompt_logprobs(response.prompt_logprobs)
-                if response.text or (pending_logprobs and response.finish_reason):
-                    # The first chunk names the version serving the request (streams send it as a header).
-                    version = adapter.version if adapter is not None and not sent_text else None
-                    yield TokenChunk(response.text, pending_tokens, version, pending_logprobs, pending_prompt)
-                    pending_tokens, pending_logprobs, pending_prompt = 0, (), None
-                    sent_text = True
-                if response.finish_reason:
-                    finished = True
-                    usage = response.usage
-                    yield Done(
-                        response.finish_reason,
-                        Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens),
-                        adapter.version if adapter is not None else None,
-                        pending_prompt,
-                    )
+                for event in events.of(response):
+                    finished = type(event) is Done
+                    yield event
+                if finished:
                     return
             raise ReplicaFailed(f"{replica.name} ended the stream without a result", before_admission=False)
         except grpc.aio.AioRpcError as e:

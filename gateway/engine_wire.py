@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterable
 
 from engine import engine_pb2 as pb
-from gateway.api import GatewayRequest, PromptLogprobs, TokenLogprob, TokenLogprobs
+from gateway.api import Done, GatewayRequest, PromptLogprobs, TokenChunk, TokenLogprob, TokenLogprobs, Usage
 
 # top_p 0 (OpenAI accepts it) is the limit of keeping only the most likely token. The engine's wire format
 # reads 0 as "not set" (no cut), so the smallest mass goes instead, which keeps that token only.
@@ -84,3 +84,36 @@ def absolute_path(path: str) -> str:
     """`path` made absolute against the gateway's working directory, for engines on this host."""
     # Pure string work (no filesystem access): engines on this host need absolute paths.
     return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+
+
+class ResponseEvents:
+    """A `Generate` stream's responses as the gateway's events, in order: a `TokenChunk` for each response with
+    text, then `Done`. Tokens whose text the engine holds back (a possible stop string, part of a character)
+    and their log-probabilities wait for the next chunk; the prompt's log-probabilities go out once, with the
+    first event; the first chunk names the adapter `version` serving the request (streams send it as a
+    header)."""
+
+    def __init__(self, version: str | None) -> None:
+        self._version = version
+        self._sent_text = False
+        self._tokens = 0
+        self._logprobs: tuple[TokenLogprobs, ...] = ()
+        self._prompt: PromptLogprobs | None = None
+
+    def of(self, response: pb.GenerateResponse) -> list[TokenChunk | Done]:
+        """The events `response` completes."""
+        out: list[TokenChunk | Done] = []
+        self._tokens += len(response.token_ids)
+        if response.logprobs:
+            self._logprobs += token_logprobs(response.logprobs)
+        if response.HasField("prompt_logprobs"):
+            self._prompt = prompt_logprobs(response.prompt_logprobs)
+        if response.text or (self._logprobs and response.finish_reason):
+            version = self._version if not self._sent_text else None
+            out.append(TokenChunk(response.text, self._tokens, version, self._logprobs, self._prompt))
+            self._tokens, self._logprobs, self._prompt, self._sent_text = 0, (), None, True
+        if response.finish_reason:
+            usage = response.usage
+            counts = Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+            out.append(Done(response.finish_reason, counts, self._version, self._prompt))
+        return out
