@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -115,20 +116,22 @@ class SamplingParams:
             raise ValueError("logit_bias names a token id more than once")
         if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
             raise ValueError("logit_bias values must be within [-100, 100]")
-        outside = sorted(t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size))
-        if outside:  # vLLM's words
-            size = f" Vocabulary size: {vocab_size}" if vocab_size is not None else ""
-            raise ValueError(f"token_id(s) {outside} in logit_bias contain out-of-vocab token ids.{size}")
+        _check_vocabulary(ids, "logit_bias", vocab_size)
 
     def _validate_stop_token_ids(self, vocab_size: int | None) -> None:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(
                 f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}"
             )
-        outside = sorted({t for t in self.stop_token_ids if t < 0 or (vocab_size is not None and t >= vocab_size)})
-        if outside:
-            size = f" Vocabulary size: {vocab_size}" if vocab_size is not None else ""
-            raise ValueError(f"token_id(s) {outside} in stop_token_ids contain out-of-vocab token ids.{size}")
+        _check_vocabulary(self.stop_token_ids, "stop_token_ids", vocab_size)
+
+
+def _check_vocabulary(ids: Iterable[int], field: str, vocab_size: int | None) -> None:
+    """Raise ValueError, in vLLM's words, when a token id of `field` lies outside the vocabulary."""
+    outside = sorted({t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)})
+    if outside:
+        size = f" Vocabulary size: {vocab_size}" if vocab_size is not None else ""
+        raise ValueError(f"token_id(s) {outside} in {field} contain out-of-vocab token ids.{size}")
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -18,6 +18,7 @@ from engine import engine_pb2 as pb
 from engine import engine_pb2_grpc as pb_grpc
 from engine.engine import LLMEngine
 from engine.errors import EngineError, prompt_too_long
+from engine.logprobs import PromptLogprob, TokenLogprobs
 from engine.pool import AdapterVersion
 from engine.sampling import STRUCTURED_KINDS, SamplingParams
 from engine.sequence import RequestOutput
@@ -112,25 +113,21 @@ class EngineService(pb_grpc.EngineServicer):
         text, raw = self.engine.tokenizer.piece(token_id)
         return pb.TokenLogprob(token_id=token_id, token=text, token_bytes=raw, logprob=logprob)
 
+    def _token_logprobs(self, token_id: int, lp: TokenLogprobs | PromptLogprob) -> pb.TokenLogprobs:
+        """A token's log-probability and the most likely tokens at its position, each with its text and bytes."""
+        return pb.TokenLogprobs(sampled=self._entry(token_id, lp.logprob), top=[self._entry(i, v) for i, v in lp.top])
+
     def _logprobs(self, out: RequestOutput) -> list[pb.TokenLogprobs]:
-        """The wire form of `out.logprobs`, each token with its text and bytes."""
-        entry = self._entry
-        return [
-            pb.TokenLogprobs(sampled=entry(token_id, lp.logprob), top=[entry(i, v) for i, v in lp.top])
-            for token_id, lp in zip(out.token_ids, out.logprobs, strict=True)
-        ]
+        """The wire form of `out.logprobs`."""
+        return [self._token_logprobs(t, lp) for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
 
     def _prompt_logprobs(self, prompt_ids: list[int], out: RequestOutput) -> pb.PromptLogprobs | None:
         """The wire form of `out.prompt_logprobs` (None where the output has none)."""
         if out.prompt_logprobs is None:
             return None
-        entry = self._entry
-        rest = [
-            pb.TokenLogprobs(sampled=entry(token_id, lp.logprob), top=[entry(i, v) for i, v in lp.top])
-            for token_id, lp in zip(prompt_ids[1:], out.prompt_logprobs, strict=True)
-        ]
+        rest = [self._token_logprobs(t, lp) for t, lp in zip(prompt_ids[1:], out.prompt_logprobs, strict=True)]
         ranks = [lp.rank for lp in out.prompt_logprobs]
-        return pb.PromptLogprobs(first=entry(prompt_ids[0], 0.0), rest=rest, ranks=ranks)
+        return pb.PromptLogprobs(first=self._entry(prompt_ids[0], 0.0), rest=rest, ranks=ranks)
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         tokenizer = self.engine.tokenizer

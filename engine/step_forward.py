@@ -209,8 +209,8 @@ class StepForward:
         self,
         seqs: list[Sequence],
         previous: InFlight | None,
-        folded: list[Sequence] = (),  # type: ignore[assignment]
-        prefills: dict[Sequence, int] | None = None,
+        folded: list[Sequence],
+        prefills: dict[Sequence, int],
     ) -> torch.Tensor | None:
         """Logits of a decode graph's rows: one per sequence of `seqs`, then one per token of each of `folded`'s
         prompt chunk (`prefills`), or None when no captured graph holds them."""
@@ -218,7 +218,6 @@ class StepForward:
         input_ids, positions = self._decode_inputs(seqs, previous)
         kv_slots, lora_slots = [s.kv_slot for s in seqs], [s.lora_slot for s in seqs]
         if folded:
-            assert prefills is not None
             chunk_ids: list[int] = []
             for seq in folded:
                 past, end = seq.prefilled - prefills[seq], seq.prefilled

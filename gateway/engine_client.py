@@ -154,12 +154,13 @@ class EnginePool:
         the least loaded, then the least loaded."""
         best: Replica | None = None
         best_key = (2, 0.0)
-        ranked: dict[str, tuple[int, float]] = {}
+        ranked: dict[str, tuple[Replica, tuple[int, float]]] = {}
         for r in self.replicas:
             if not r.takes_requests or r.in_flight >= r.capacity or r in exclude:
                 continue
             cold = 0 if engine_name is None or engine_name in r.adapters else 1
-            key = ranked[r.name] = (cold, r.in_flight / r.capacity)
+            key = (cold, r.in_flight / r.capacity)
+            ranked[r.name] = (r, key)
             if key < best_key:
                 best, best_key = r, key
         if best is None:
@@ -167,8 +168,8 @@ class EnginePool:
         if affinity is not None:
             steer = self._affinity.get(affinity)
             steered = ranked.get(steer) if steer is not None else None
-            if steered is not None and steered[0] == best_key[0] and steered[1] <= best_key[1] + LOAD_SLACK:
-                best = next(r for r in self.replicas if r.name == steer)
+            if steered is not None and steered[1][0] == best_key[0] and steered[1][1] <= best_key[1] + LOAD_SLACK:
+                best = steered[0]
             self._affinity.record(affinity, best.name)
         best.in_flight += 1
         return best
