@@ -281,14 +281,15 @@ def section_cold_start(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
         )
 
 
-def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
+def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], cold_joins: bool = True) -> None:
     """(d) inter-token latency of 16 running base requests: steady, while warm-adapter requests join, and
     while cold-adapter requests join (their adapters load from disk meanwhile). Cold adapters are registered
     as their requests arrive, once on the stepping thread itself and once on another thread, as the
     server's gRPC handlers do: the first puts the registration's header check (milliseconds of Python) into
     a gap of every running request, which a server's step loop never runs. Then again with the 16 running
     requests on adapters, as a LoRA gateway's are: requests on those adapters join, and cold ones, the latter
-    with and without slot fills ahead (`EngineConfig.adapter_fills_ahead`)."""
+    with and without slot fills ahead (`EngineConfig.adapter_fills_ahead`). `cold_joins` False (section j):
+    the warm joins alone."""
     paths = b.adapters(eng, "x", 60)
     for i in range(12):
         eng.load_adapter(f"xw{i}", str(paths[i]), wait=True)
@@ -394,7 +395,21 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int]) -> 
         register_s.append(time.perf_counter() - t)
 
     gaps("none", "warmup")
+    folded = eng.forward.folded_prompts
     steady, warm = gaps("none", "s"), gaps("warm", "w")
+    if not cold_joins:
+        on_adapters = [f"xw{j}" for j in range(4)]
+        steady_lora = gaps("none", "sl", running_on=on_adapters)
+        running_lora = gaps("running", "rl", running_on=on_adapters)
+        admin.shutdown()
+        report_loader(
+            f"(d) others' p99 inter-token latency, 16 base requests: steady {p99(steady) * 1e3:.2f} ms, while 12 "
+            f"warm-adapter requests join {p99(warm) * 1e3:.2f} ms ({p99(warm) / p99(steady):.2f}x); their TTFT p50 "
+            f"{p50(joiner_ttft['w']) * 1e3:.2f} ms. On 4 adapters: steady {p99(steady_lora) * 1e3:.2f} ms, joins on "
+            f"them {p99(running_lora) * 1e3:.2f} ms ({p99(running_lora) / p99(steady_lora):.2f}x); their TTFT p50 "
+            f"{p50(joiner_ttft['rl']) * 1e3:.2f} ms. Prompts run as decode rows: {eng.forward.folded_prompts - folded}"
+        )
+        return
     if TRACE:
         eng.step_trace = []
     cold = gaps("cold", "c")
@@ -609,7 +624,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokenizer", type=Path, required=True)
     ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--only", default="abdef", help="sections: a(gree) b d e f; t: (d)'s cold-start TTFT alone")
+    ap.add_argument(
+        "--only",
+        default="abdef",
+        help="sections: a(gree) b d e f; t: (d)'s cold-start TTFT alone; j: (d)'s warm joins alone",
+    )
     ap.add_argument("--zipf-requests", type=int, default=1500)
     ap.add_argument("--zipf-rate", type=float, default=150.0)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (no figures)")
@@ -628,6 +647,11 @@ def main() -> None:
         "--loader-workers",
         default="0",
         help="loader processes, each load split over all of them (0 = the engine's default; 1 = unsplit) for d and f",
+    )
+    ap.add_argument(
+        "--fold-prompt-tokens",
+        default="0",
+        help="fold_prompt_tokens of the engines sections d, j, t and f compare (short joins as decode rows)",
     )
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
     ap.add_argument(
@@ -678,19 +702,21 @@ def main() -> None:
     prompt = Tokenizer(resolve_model(str(b.model))).encode_chat([("user", PROMPT)])
     # Cold starts, loads under traffic and hot swap, once per adapter loader, side by side in this run.
     configs = [
-        (loader, float(ms), int(mb), int(workers))
+        (loader, float(ms), int(mb), int(workers), fold)
         for loader in args.loaders.split(",")
         for ms in args.switch_intervals.split(",")
         for mb in (args.pinned_mb.split(",") if loader == "process" else ["0"])  # threads use no arena
         for workers in (args.loader_workers.split(",") if loader == "process" else ["0"])
+        for fold in args.fold_prompt_tokens.split(",")
     ]
-    for loader, switch_ms, pinned_mb, workers in configs if {"d", "f", "t"}.intersection(args.only) else []:
+    for loader, switch_ms, pinned_mb, workers, fold in configs if {"d", "f", "t", "j"}.intersection(args.only) else []:
         arena = f", shared arena {pinned_mb} MiB" if loader == "process" else ""
         split = (
             f", {EngineConfig(adapter_loader_workers=workers).loader_workers()} workers" if loader == "process" else ""
         )
-        LOADER = f"{loader} loader, GIL switch {switch_ms or 5:g} ms{arena}{split}"
+        LOADER = f"{loader} loader, GIL switch {switch_ms or 5:g} ms{arena}{split}, prompts folded up to {fold}"
         eng = b.engine(
+            fold_prompt_tokens=int(fold),
             adapter_loader=loader,
             gil_switch_interval_ms=switch_ms,
             pinned_adapter_memory_mb=pinned_mb,
@@ -700,6 +726,8 @@ def main() -> None:
             section_cold_start(b, eng, prompt)
         if "d" in args.only:
             section_others_during_loads(b, eng, prompt)
+        elif "j" in args.only:
+            section_others_during_loads(b, eng, prompt, cold_joins=False)
         if "f" in args.only:
             section_hot_swap(b, eng, prompt)
         eng.stop()

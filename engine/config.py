@@ -65,6 +65,11 @@ class EngineConfig:
     # SmolLM2 decode tokens/s 1.08-1.09x in graphs and 1.8x eager. Batches of several adapters, and
     # max_lora_rank above 64, keep the separate kernels.
     lora_gemm: str = "on"
+    # CUDA: a whole prompt of up to this many tokens that joins while other requests decode runs as rows of
+    # the step's decode graph (each row at its position in the prompt's KV row), so the step replays one graph
+    # that reads the weights once, instead of a prefill graph beside the decode graph; the decode graphs are
+    # captured for this many rows beyond max_num_seqs. 0: whole prompts always replay prefill graphs.
+    fold_prompt_tokens: int = 0
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
     # CUDA: the process's GIL switch interval while the engine serves (engine/interpreter.py); 0 keeps Python's
     # (5 ms). Shorter intervals were measured in bench/RESULTS-gpu.md and did not help reliably.
@@ -87,6 +92,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.adapter_loader_workers <= 64:
             raise ValueError(f"adapter_loader_workers must be within 0..64, got {self.adapter_loader_workers}")
+        if not 0 <= self.fold_prompt_tokens <= 512:
+            raise ValueError(f"fold_prompt_tokens must be within 0..512, got {self.fold_prompt_tokens}")
         if not 0 <= self.adapter_fills_ahead <= 64:
             raise ValueError(f"adapter_fills_ahead must be within 0..64, got {self.adapter_fills_ahead}")
         if self.pinned_adapter_memory_mb < 0:

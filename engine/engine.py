@@ -98,14 +98,22 @@ class LLMEngine:
         prefill_graphs: PrefillGraphs | None = None
         prefill_stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            graphs = DecodeGraphs(self.model, self.kv, self.stacks, self.kv.total, torch.cuda.graph_pool_handle())
+            rows = self.kv.total + config.fold_prompt_tokens  # room for prompts run as decode rows
+            graphs = DecodeGraphs(self.model, self.kv, self.stacks, rows, torch.cuda.graph_pool_handle())
             graphs.capture_all()
             # Prefills replay on their own stream, concurrently with the decode graph: their own memory pool.
             prefill_graphs = PrefillGraphs(self.model, self.kv, self.stacks, torch.cuda.graph_pool_handle())
             prefill_graphs.capture_all()
             prefill_stream = torch.cuda.Stream(self.device)
         self.forward = StepForward(
-            self.model, self.kv, self.stacks, self.device, graphs, prefill_graphs, prefill_stream
+            self.model,
+            self.kv,
+            self.stacks,
+            self.device,
+            graphs,
+            prefill_graphs,
+            prefill_stream,
+            fold_prompt_tokens=config.fold_prompt_tokens,
         )
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()

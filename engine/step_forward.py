@@ -94,11 +94,14 @@ class StepForward:
         graphs: DecodeGraphs | None = None,
         prefill_graphs: PrefillGraphs | None = None,
         prefill_stream: torch.cuda.Stream | None = None,
+        fold_prompt_tokens: int = 0,
     ) -> None:
         self.model, self.kv, self.stacks, self.device = model, kv, stacks, device
         self.graphs, self.prefill_graphs = graphs, prefill_graphs
         self._prefill_stream = prefill_stream  # prefill graphs replay on it, beside the decode graph
+        self.fold_prompt_tokens = fold_prompt_tokens  # whole prompts up to this long join as decode rows
         self.folded_rows = 0  # prompt tokens run as rows of a decode graph (tests, benchmarks)
+        self.folded_prompts = 0  # of which whole prompts, from their start
         # The last step's rows that predict prompt tokens of the requests asking for prompt log-probabilities.
         self.prompt_rows: list[PromptRows] = []
 
@@ -122,9 +125,18 @@ class StepForward:
         parts: list[torch.Tensor] = []
         eager = list(running)
         prefilled: list[tuple[Sequence, torch.Tensor]] = []
+        decoding = [s for s in running if s not in prefills]
+        # Chosen first: a whole prompt that runs as decode rows replays no prefill graph.
+        chunks = [s for s in running if s in prefills]
+        folded = self._foldable(decoding, chunks, prefills) if self.graphs is not None else []
         # A prefill graph yields the last position's logits only: prompts that want them all run eagerly.
         whole = [
-            s for s in running if s in prefills and prefills[s] == len(s.prompt_ids) and not s.wants_prompt_logprobs
+            s
+            for s in running
+            if s in prefills
+            and prefills[s] == len(s.prompt_ids)
+            and not s.wants_prompt_logprobs
+            and s not in folded
         ]
         if self.prefill_graphs is not None and self._prefill_stream is not None and whole:
             # Enqueued first, on a second stream: the GPU runs these prefills alongside the decode graph
@@ -139,8 +151,6 @@ class StepForward:
                         prefilled.append((seq, logits))
                         eager.remove(seq)
         if self.graphs is not None:
-            decoding = [s for s in running if s not in prefills]
-            folded = self._foldable(decoding, [s for s in eager if s in prefills], prefills)
             logits = self._decode_graphed(decoding, previous, folded, prefills) if decoding or folded else None
             if logits is not None:
                 rows, ends = len(decoding), []
@@ -152,6 +162,7 @@ class StepForward:
                     kept = upload(list(range(len(decoding))) + ends, torch.long, logits.device)
                     logits = logits.index_select(0, kept)
                     self.folded_rows += rows - len(decoding)
+                    self.folded_prompts += sum(s.prefilled == prefills[s] for s in folded)
                 order, parts = decoding + [s for s in folded if s.prefill_done], [logits]
                 eager = [s for s in eager if s in prefills and s not in folded]
         if trace:
@@ -192,15 +203,18 @@ class StepForward:
     def _foldable(
         self, decoding: list[Sequence], chunks: list[Sequence], prefills: dict[Sequence, int]
     ) -> list[Sequence]:
-        """Those of `chunks` (prefilled this step, not in a prefill graph) whose tokens continue a prompt already
-        in their KV row and fit the largest decode graph beside `decoding`, in order. Not those asking for
+        """Those of `chunks` (prefilled this step) to run as rows of the decode graph beside `decoding`, in order,
+        while the largest graph has room: a chunk that continues a prompt already in its KV row (else it would
+        run eagerly), and, while others decode, a prompt of up to `fold_prompt_tokens` from its start (else a
+        prefill graph beside the decode graph would read the weights a second time). Not those asking for
         prompt log-probabilities: the graph keeps only a chunk's last row."""
         assert self.graphs is not None
         room = self.graphs.batches[-1] - len(decoding)
         folded = []
         for seq in chunks:
             past = seq.prefilled - prefills[seq]
-            if past > 0 and prefills[seq] <= room and not seq.wants_prompt_logprobs:
+            short = bool(decoding) and prefills[seq] <= self.fold_prompt_tokens
+            if (past > 0 or short) and prefills[seq] <= room and not seq.wants_prompt_logprobs:
                 folded.append(seq)
                 room -= prefills[seq]
         return folded

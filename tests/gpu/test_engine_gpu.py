@@ -58,7 +58,13 @@ def adapter_dirs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
 
 
 def _engine(
-    model_dir: Path, *, eager: bool, dtype: str = "float32", lora_gemm: str = "on", prefix_caching: str = "off"
+    model_dir: Path,
+    *,
+    eager: bool,
+    dtype: str = "float32",
+    lora_gemm: str = "on",
+    prefix_caching: str = "off",
+    fold_prompt_tokens: int = 0,
 ) -> LLMEngine:
     # Prefix caching off unless asked: these tests share prompts, and a cached start runs the rest of a prompt
     # eagerly instead of in the prefill graph they test.
@@ -74,6 +80,7 @@ def _engine(
         enforce_eager=eager,
         lora_gemm=lora_gemm,
         prefix_caching=prefix_caching,
+        fold_prompt_tokens=fold_prompt_tokens,
     )
     return LLMEngine(config)
 
@@ -226,6 +233,30 @@ def test_prompts_joining_running_decodes_match_eager(engines: tuple[LLMEngine, L
     names: list[str | None] = [None, "r16", "r8-qv", "r16", None, "r4-mlp"]
     for _ in range(3):
         assert _join(graphed, prompts, names) == _join(eager, prompts, names)
+
+
+def test_short_prompts_joining_as_decode_rows_match_eager(
+    engines: tuple[LLMEngine, LLMEngine], model_dir: Path, adapter_dirs: dict[str, Path]
+) -> None:
+    """`fold_prompt_tokens`: prompts joining running decodes run as rows of the decode graph (the 51- and
+    65-token ones; the 79-token one no longer fits beside them and replays its prefill graph), sync and async,
+    with the eager engine's tokens."""
+    eager, _ = engines
+    folding = _engine(model_dir, eager=False, fold_prompt_tokens=160)
+    try:
+        for name in ADAPTERS:
+            folding.load_adapter(name, str(adapter_dirs[name]), wait=True)
+        prompts = _prompts(eager, 6)
+        names: list[str | None] = [None, "r16", "r8-qv", "r16", None, "r4-mlp"]
+        want = _join(eager, prompts, names)
+        for steps in (False, True):
+            folding.async_steps = steps
+            folded, replays = folding.forward.folded_prompts, folding.prefill_graphs.replays  # type: ignore[union-attr]
+            assert _join(folding, prompts, names) == want
+            assert folding.forward.folded_prompts - folded == 2
+            assert folding.prefill_graphs.replays - replays == 4  # type: ignore[union-attr]  # 3 at the start, 79
+    finally:
+        folding.stop()
 
 
 def test_prompts_prefilled_in_chunks_beside_graphed_decodes_match_whole_eager_prefills(

@@ -197,7 +197,9 @@ def drive(engine: LLMEngine, files: list[Path], script: dict[int, list[Event]]) 
     return Run({rid: sink.summary for rid, sink in sinks.items()}, logits, swapped)
 
 
-def new_engine(model: Path, *, fused: bool, async_steps: str, lora_gemm: str, fills_ahead: int) -> LLMEngine:
+def new_engine(
+    model: Path, *, fused: bool, async_steps: str, lora_gemm: str, fills_ahead: int, fold_prompt_tokens: int = 0
+) -> LLMEngine:
     config = EngineConfig(
         model=str(model),
         device="cpu",
@@ -214,6 +216,7 @@ def new_engine(model: Path, *, fused: bool, async_steps: str, lora_gemm: str, fi
         adapter_fills_ahead=fills_ahead,
         async_steps=async_steps,
         lora_gemm=lora_gemm,
+        fold_prompt_tokens=fold_prompt_tokens,
     )
     if not fused:
         return LLMEngine(config)
@@ -335,11 +338,14 @@ def gemm_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def graph(engine: LLMEngine, prefill_stream: HostStream) -> None:
     """Give `engine` the graphed forward it gets on CUDA (`LLMEngine.__init__`)."""
-    decode = cuda_graphs.DecodeGraphs(engine.model, engine.kv, engine.stacks, engine.kv.total, None)
+    fold = engine.config.fold_prompt_tokens
+    decode = cuda_graphs.DecodeGraphs(engine.model, engine.kv, engine.stacks, engine.kv.total + fold, None)
     decode.capture_all()
     prefill = cuda_graphs.PrefillGraphs(engine.model, engine.kv, engine.stacks, None)
     prefill.capture_all()
-    engine.forward = StepForward(engine.model, engine.kv, engine.stacks, engine.device, decode, prefill, prefill_stream)  # type: ignore[arg-type]
+    engine.forward = StepForward(
+        engine.model, engine.kv, engine.stacks, engine.device, decode, prefill, prefill_stream, fold  # type: ignore[arg-type]
+    )
 
 
 def check_streams(log: list[object]) -> None:
@@ -374,6 +380,12 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[bool, bool]]] = {
     "async-lora-gemm": (dict(async_steps="on", lora_gemm="on", fills_ahead=0), (True, True)),
     "async-decode-graphs-only": (dict(async_steps="on", lora_gemm="on", fills_ahead=2), (True, False)),
     "sync-prefill-graphs-only": (dict(async_steps="off", lora_gemm="off", fills_ahead=2), (False, True)),
+    # Prompts of up to 16 tokens joining while others decode run as decode rows (batch buckets up to 22).
+    "sync-fold-prompts": (dict(async_steps="off", lora_gemm="off", fills_ahead=0, fold_prompt_tokens=16), (True, True)),
+    "async-fold-prompts-lora-gemm": (
+        dict(async_steps="on", lora_gemm="on", fills_ahead=2, fold_prompt_tokens=16),
+        (True, True),
+    ),
 }
 
 
@@ -423,7 +435,8 @@ def test_graphed_steps_give_the_eager_engines_tokens(
     keys = collections.Counter(key for key in replays if isinstance(key, cuda_graphs.GraphKey))
     assert decode.replays == sum(keys.values())
     if decode_graphs:
-        assert {k.batch for k in keys} == {1, 2, 4, 6} and {k.kv_len for k in keys} == {256, MAX_LEN}
+        buckets = {1, 2, 4, 6} if not options.get("fold_prompt_tokens") else {1, 2, 4, 8, 16, 22}
+        assert {k.batch for k in keys} == buckets and {k.kv_len for k in keys} == {256, MAX_LEN}
         kinds = {(False, False), (True, False)} | ({(True, True)} if options["lora_gemm"] == "on" else set())
         assert {(k.lora, k.single) for k in keys} == kinds
         assert bool(gemm_rows) == (options["lora_gemm"] == "on") and checked_plans
@@ -434,6 +447,7 @@ def test_graphed_steps_give_the_eager_engines_tokens(
     assert bool(keys) == decode_graphs and bool(prompts) == prefill_graphs
     assert engine.prefix_cache.hit_tokens >= 4 * 40, "the shared starts were not read from the prefix cache"
     assert (engine.forward.folded_rows > 0) == decode_graphs  # the rests of those prompts, in decode graphs
+    assert (engine.forward.folded_prompts > 0) == bool(options.get("fold_prompt_tokens"))  # short joins too
 
 
 @pytest.mark.parametrize("async_steps", ["off", "on"])

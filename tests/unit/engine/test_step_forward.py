@@ -146,3 +146,32 @@ def test_a_chunk_of_a_prompt_asking_for_prompt_logprobs_stays_out_of_the_decode_
     assert order == [a, b] and forward.folded_rows == 0
     assert replays[-1] == cuda_graphs.GraphKey(1, 256, True, False)  # a alone in the graph
     assert [part.targets for part in forward.prompt_rows] == [[1, 5]]  # its positions 2-3 predict these, eagerly
+
+
+def test_short_prompts_joining_decoding_rows_run_as_rows_of_the_decode_graph(replays: list[object]) -> None:
+    """With `fold_prompt_tokens`, a whole prompt that short joins the decode graph's rows while others decode
+    (one graph for the step), and gives the eager model's logits; a longer one, or one with no row decoding
+    beside it, does not."""
+    graphed_kv, eager_kv = _caches()
+    stacks = _stacks(fused=True)
+    graphs = cuda_graphs.DecodeGraphs(_model(), graphed_kv, stacks, 4 + 4, None)  # 4 rows for prompts
+    graphs.capture_all()
+    forward = StepForward(_model(), graphed_kv, stacks, CPU, graphs, fold_prompt_tokens=4)
+    a, c, d = _seq("a", [5, 6, 7], 0, 0), _seq("c", [4, 4, 2, 7], 1, 1), _seq("d", [3, 1, 4, 1, 5], 2, -1)
+
+    order, logits = forward.logits([a], {a: 3}, None)  # nothing decodes beside it: eager (no prefill graphs)
+    assert order == [a] and replays == [] and forward.folded_rows == 0
+    _eager(eager_kv, [(a, a.prompt_ids, 0)])
+    a.output_ids, a.status = [9], SeqStatus.RUNNING
+
+    order, logits = forward.logits([a, c, d], {c: 4, d: 5}, None)
+
+    assert order == [a, c, d]  # a's row and c's four in the graph (bucket 8), then d's five eagerly
+    assert replays[-1] == cuda_graphs.GraphKey(8, 256, True, False)
+    assert (forward.folded_rows, forward.folded_prompts) == (4, 1)
+    want = _eager(eager_kv, [(a, [9], 3), (c, c.prompt_ids, 0), (d, d.prompt_ids, 0)])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    # The KV rows hold c's prompt as a whole prefill writes it: its next decode step agrees.
+    c.output_ids, c.status = [8], SeqStatus.RUNNING
+    order, logits = forward.logits([c], {}, None)
+    torch.testing.assert_close(logits, _eager(eager_kv, [(c, [8], 4)]), rtol=1e-4, atol=1e-4)
