@@ -133,10 +133,7 @@ class StepForward:
         whole = [
             s
             for s in running
-            if s in prefills
-            and prefills[s] == len(s.prompt_ids)
-            and not s.wants_prompt_logprobs
-            and s not in folded
+            if s in prefills and prefills[s] == len(s.prompt_ids) and not s.wants_prompt_logprobs and s not in folded
         ]
         if self.prefill_graphs is not None and self._prefill_stream is not None and whole:
             # Enqueued first, on a second stream: the GPU runs these prefills alongside the decode graph

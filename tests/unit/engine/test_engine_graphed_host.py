@@ -344,7 +344,14 @@ def graph(engine: LLMEngine, prefill_stream: HostStream) -> None:
     prefill = cuda_graphs.PrefillGraphs(engine.model, engine.kv, engine.stacks, None)
     prefill.capture_all()
     engine.forward = StepForward(
-        engine.model, engine.kv, engine.stacks, engine.device, decode, prefill, prefill_stream, fold  # type: ignore[arg-type]
+        engine.model,
+        engine.kv,
+        engine.stacks,
+        engine.device,
+        decode,
+        prefill,
+        prefill_stream,
+        fold,  # type: ignore[arg-type]
     )
 
 
