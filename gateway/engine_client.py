@@ -264,6 +264,16 @@ class EnginePool:
                     # for engines that notice cancellation only at their next step.
                     self._spawn(self._abort(replica, request.request_id))
 
+    @property
+    def rpc_timeout_s(self) -> float:
+        """The deadline of the pool's unary calls."""
+        return self._rpc_timeout_s
+
+    def unary_error(self, replica: Replica, e: grpc.aio.AioRpcError) -> GatewayError:
+        """The gateway's error for a unary call that `replica` failed (`ReplicaFailed` where another replica may
+        answer it; an UNAVAILABLE one marks the replica unhealthy)."""
+        return self._error(replica, e, admitted=False)
+
     def _error(self, replica: Replica, e: grpc.aio.AioRpcError, admitted: bool) -> GatewayError:
         code = e.code()
         detail = e.details() or code.name
