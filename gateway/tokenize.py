@@ -62,7 +62,7 @@ async def _on_any_replica(pool: EnginePool, call: Callable[[pb_grpc.EngineStub, 
         try:
             return await call(replica.stub, pool.rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
-            failed = pool.unary_error(replica, e)
+            failed = await pool.unary_error(replica, e)
             if not isinstance(failed, ReplicaFailed):
                 raise failed from None
             tried.add(replica.name)

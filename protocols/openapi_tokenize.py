@@ -7,9 +7,10 @@ from collections.abc import Callable
 from typing import Any
 
 from protocols.rest_input import MAX_TOKEN_ID
-from protocols.rest_tokenize import MAX_DETOKENIZE_TOKENS
+from protocols.rest_tokenize import CHAT_ONLY, MAX_DETOKENIZE_TOKENS
 
 _MODEL = {"type": "string", "description": "base, base:ADAPTER or ADAPTER, as for completions"}
+_CHAT_ONLY = "Only with messages: with a prompt, anything but null is a 400"
 _STRS = {
     "type": ["boolean", "null"],
     "description": "Also return each token as the vocabulary spells it (default false)",
@@ -78,9 +79,11 @@ def _variant(field: str, schema: dict[str, Any], other: str, **flags: str) -> di
     """One of /tokenize's bodies: `field` holds the input, `other` (the other input) is refused, `flags` are the
     booleans it reads beside return_token_strs, with their descriptions."""
     booleans = {name: {"type": ["boolean", "null"], "description": text} for name, text in flags.items()}
+    # Chat-only fields sent with a prompt would be ignored in silence: refused instead.
+    chat_only = {} if field == "messages" else {name: {"type": "null", "description": _CHAT_ONLY} for name in CHAT_ONLY}
     return {
         "type": "object",
-        "properties": {"model": _MODEL, field: schema, **booleans, "return_token_strs": _STRS},
+        "properties": {"model": _MODEL, field: schema, **booleans, **chat_only, "return_token_strs": _STRS},
         "required": ["model", field],
         "not": {"required": [other]},
     }

@@ -30,7 +30,7 @@ from protocols.rest_replies import error_response
 # keeps a body within the default 1 MiB limit well apart from it (an id is up to 10 bytes of JSON).
 MAX_DETOKENIZE_TOKENS = 131_072
 # Fields only one input kind reads: sent with the other, they would be silently ignored.
-_CHAT_ONLY = ("add_generation_prompt",)
+CHAT_ONLY = ("add_generation_prompt",)
 
 
 def parse_tokenize(data: object, base_name: str, tenant: str = "") -> TokenizeRequest:
@@ -50,7 +50,7 @@ def parse_tokenize(data: object, base_name: str, tenant: str = "") -> TokenizeRe
         return TokenizeRequest(tenant, adapter, None, messages, special, generation, strs)
     if not isinstance(prompt, str):
         raise field_error("prompt must be a string", "prompt")
-    for name in _CHAT_ONLY:
+    for name in CHAT_ONLY:
         if body.get(name) is not None:
             raise field_error(f"{name} applies to messages, not to a prompt", name)
     special = flag(body, "add_special_tokens", default=True)
