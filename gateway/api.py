@@ -238,7 +238,7 @@ class TokenService(Protocol):
         ...
 
     async def detokenize(self, request: DetokenizeRequest) -> str:
-        """The text of `ids`, special tokens included; raises `GatewayError` (INVALID_ARGUMENT for an id past
+        """The text of `request.ids`, special tokens included; raises `GatewayError` (INVALID_ARGUMENT for an id past
         the vocabulary)."""
         ...
 
