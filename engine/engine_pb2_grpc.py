@@ -64,6 +64,16 @@ class EngineStub:
                 request_serializer=engine_dot_engine__pb2.StatsRequest.SerializeToString,
                 response_deserializer=engine_dot_engine__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/adaptergate.engine.v1.Engine/Tokenize',
+                request_serializer=engine_dot_engine__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=engine_dot_engine__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/adaptergate.engine.v1.Engine/Detokenize',
+                request_serializer=engine_dot_engine__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=engine_dot_engine__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -110,6 +120,20 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The engine's tokenizer, as Generate would use it (vLLM's /tokenize and /detokenize). No adapter is named:
+        adapters share the base model's tokenizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +166,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=engine_dot_engine__pb2.StatsRequest.FromString,
                     response_serializer=engine_dot_engine__pb2.StatsResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=engine_dot_engine__pb2.TokenizeRequest.FromString,
+                    response_serializer=engine_dot_engine__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=engine_dot_engine__pb2.DetokenizeRequest.FromString,
+                    response_serializer=engine_dot_engine__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -306,6 +340,60 @@ class Engine:
             '/adaptergate.engine.v1.Engine/Stats',
             engine_dot_engine__pb2.StatsRequest.SerializeToString,
             engine_dot_engine__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/adaptergate.engine.v1.Engine/Tokenize',
+            engine_dot_engine__pb2.TokenizeRequest.SerializeToString,
+            engine_dot_engine__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/adaptergate.engine.v1.Engine/Detokenize',
+            engine_dot_engine__pb2.DetokenizeRequest.SerializeToString,
+            engine_dot_engine__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,6 +22,7 @@ from engine.logprobs import PromptLogprob, TokenLogprobs
 from engine.pool import AdapterVersion
 from engine.sampling import STRUCTURED_KINDS, SamplingParams
 from engine.sequence import RequestOutput
+from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("engine.server")
 
@@ -137,16 +138,7 @@ class EngineService(pb_grpc.EngineServicer):
                 raise EngineError("INVALID_ARGUMENT", "prompt is empty")
             return tokenizer.encode(request.prompt)
         if kind == "chat":
-            messages = [(m.role, m.content) for m in request.chat.messages]
-            if not messages:
-                raise EngineError("INVALID_ARGUMENT", "chat has no messages")
-            bad = [m[0] for m in messages if m[0] not in ("system", "user", "assistant")]
-            if bad:
-                raise EngineError("INVALID_ARGUMENT", f"unknown chat role {bad[0]!r} (system, user, assistant)")
-            try:
-                return tokenizer.encode_chat(messages)
-            except ValueError as exc:
-                raise EngineError("INVALID_ARGUMENT", str(exc)) from exc
+            return _encode_chat(tokenizer, request.chat)
         if kind == "prompt_token_ids":
             return list(request.prompt_token_ids.ids)
         raise EngineError("INVALID_ARGUMENT", "one of prompt, chat or prompt_token_ids is required")
@@ -240,6 +232,67 @@ class EngineService(pb_grpc.EngineServicer):
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
         )
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        tokenizer = self.engine.tokenizer
+        kind = request.WhichOneof("input")
+        if kind is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "one of prompt or chat is required")
+        try:
+            # A long prompt or chat template takes a while to encode: off the event loop, as Generate's streams
+            # and the other calls are served from it.
+            if kind == "chat":
+                ids = await asyncio.to_thread(
+                    _encode_chat,
+                    tokenizer,
+                    request.chat,
+                    add_generation_prompt=request.add_generation_prompt,
+                    add_special_tokens=request.add_special_tokens,
+                )
+            else:
+                ids = await asyncio.to_thread(
+                    tokenizer.encode, request.prompt, add_special_tokens=request.add_special_tokens
+                )
+        except EngineError as exc:
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+            raise AssertionError("unreachable") from exc
+        strs = tokenizer.token_strs(ids) if request.return_token_strs else ()
+        return pb.TokenizeResponse(tokens=ids, token_strs=strs, max_model_len=self.engine.max_model_len)
+
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        tokenizer = self.engine.tokenizer
+        ids = list(request.tokens)
+        # The tokenizer's vocabulary, not the LM head's (which may be padded past it): those ids have no text.
+        bad = next((i for i, t in enumerate(ids) if t >= tokenizer.vocab_size), None)
+        if bad is not None:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"tokens[{bad}] is {ids[bad]}, outside the vocabulary [0, {tokenizer.vocab_size})",
+            )
+        # Special tokens stay, as vLLM's /detokenize keeps them: a tokenized chat reads back as its template wrote it.
+        text = await asyncio.to_thread(tokenizer.decode, ids, skip_special_tokens=False)
+        return pb.DetokenizeResponse(prompt=text)
+
+
+def _encode_chat(
+    tokenizer: Tokenizer, chat: pb.ChatInput, *, add_generation_prompt: bool = True, add_special_tokens: bool = False
+) -> list[int]:
+    """Token ids of a chat as the model's template renders it (by default as Generate reads it); raises
+    EngineError for no messages, an unknown role or a chat the template refuses."""
+    messages = [(m.role, m.content) for m in chat.messages]
+    if not messages:
+        raise EngineError("INVALID_ARGUMENT", "chat has no messages")
+    bad = [m[0] for m in messages if m[0] not in ("system", "user", "assistant")]
+    if bad:
+        raise EngineError("INVALID_ARGUMENT", f"unknown chat role {bad[0]!r} (system, user, assistant)")
+    try:
+        return tokenizer.encode_chat(
+            messages, add_generation_prompt=add_generation_prompt, add_special_tokens=add_special_tokens
+        )
+    except ValueError as exc:
+        raise EngineError("INVALID_ARGUMENT", str(exc)) from exc
 
 
 async def serve(engine: LLMEngine, host: str, port: int) -> tuple[grpc.aio.Server, int]:

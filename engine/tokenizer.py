@@ -54,27 +54,39 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a plain prompt, with the special tokens the tokenizer puts around every input (the
-        BOS of Llama and Mistral), as the model saw its inputs in training; a model without them continues a
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a plain prompt, by default with the special tokens the tokenizer puts around every input
+        (the BOS of Llama and Mistral), as the model saw its inputs in training; a model without them continues a
         prompt noticeably worse."""
-        return list(self._tok.encode(text, add_special_tokens=True))
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
-    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        """Token ids of `messages` rendered with the model's chat template, ready for the reply; raises
-        ValueError for a chat the template cannot render."""
+    def encode_chat(
+        self,
+        messages: Sequence[tuple[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """Token ids of `messages` rendered with the model's chat template, by default ready for the reply (the
+        assistant's turn opened); raises ValueError for a chat the template cannot render."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; send a plain prompt")
         try:
             rendered = self._tok.apply_chat_template(
                 [{"role": role, "content": content} for role, content in messages],
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 tokenize=False,
             )
         except TemplateError as exc:  # the template's own refusal (`raise_exception`), e.g. roles out of turn
             raise ValueError(f"the model's chat template refused these messages: {exc}") from exc
-        # The template writes the special tokens itself (a BOS among them): adding them again would double them.
-        return list(self._tok.encode(str(rendered), add_special_tokens=False))
+        # The template writes the special tokens itself (a BOS among them): adding them again would double them,
+        # so only a client that asks for them (vLLM's add_special_tokens on /tokenize) gets them.
+        return list(self._tok.encode(str(rendered), add_special_tokens=add_special_tokens))
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each token as the vocabulary spells it ("Ġthe" for a byte-level BPE's " the"), as vLLM's /tokenize
+        shows them."""
+        return [str(piece) for piece in self._tok.convert_ids_to_tokens(list(ids))]
 
     @property
     def hf_tokenizer(self) -> Any:
@@ -86,8 +98,9 @@ class Tokenizer:
         """The `tokenizers.Tokenizer` inside (what `DecodeStream` steps with)."""
         return self._tok.backend_tokenizer
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of `ids`; completions leave special tokens out, vLLM's /detokenize keeps them."""
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def piece(self, token_id: int) -> tuple[str, bytes]:
         """One token on its own, as logprobs show it: its text and its bytes. The bytes of a completion's tokens

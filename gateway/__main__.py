@@ -69,6 +69,7 @@ def build_protocols(config: Config) -> Callable[[Gateway], Sequence[ProtocolServ
             model_name=config.model.name,
             health=gateway,
             extra_routes=[*admin.routes(), web.get("/metrics", scrape)],
+            tokens=gateway,
         )
         return [rest]
 

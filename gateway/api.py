@@ -195,6 +195,54 @@ class Submitter(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class TokenizeRequest:
+    """Text to tokenize as the engine would for a request on `adapter` (vLLM's /tokenize): exactly one of `prompt`
+    and `messages`. `add_special_tokens`: the tokenizer's own around the input (a prompt's request gets them, a
+    chat's does not: its template writes them); `add_generation_prompt` (chat): the assistant's turn opened."""
+
+    tenant: str
+    adapter: str | None
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    protocol: Origin = Origin.REST
+
+
+@dataclass(frozen=True, slots=True)
+class DetokenizeRequest:
+    """Token ids to turn back into text as the engine's tokenizer reads them (vLLM's /detokenize)."""
+
+    tenant: str
+    adapter: str | None
+    ids: tuple[int, ...]
+    protocol: Origin = Origin.REST
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """Token ids, with each token as the vocabulary spells it where asked for, and the engine's context length."""
+
+    ids: tuple[int, ...]
+    max_model_len: int
+    strs: tuple[str, ...] | None = None
+
+
+class TokenService(Protocol):
+    """The engine's tokenizer, behind the same tenant, policy and model checks as a completion."""
+
+    async def tokenize(self, request: TokenizeRequest) -> Tokens:
+        """Tokenize as the engine does; raises `GatewayError` (an unknown model's is NOT_FOUND)."""
+        ...
+
+    async def detokenize(self, request: DetokenizeRequest) -> str:
+        """The text of `request.ids`, special tokens included; raises `GatewayError` (INVALID_ARGUMENT for an id past
+        the vocabulary)."""
+        ...
+
+
 class ProtocolServer(Protocol):
     """One wire protocol bridged into the gateway; an async context manager that serves while open."""
 

@@ -25,6 +25,7 @@ from opentelemetry.context import Context
 
 from gateway.affinity import affinity_key
 from gateway.api import (
+    DetokenizeRequest,
     Done,
     Error,
     Event,
@@ -34,6 +35,8 @@ from gateway.api import (
     PolicyDecision,
     PolicyInput,
     TokenChunk,
+    TokenizeRequest,
+    Tokens,
 )
 from gateway.asyncqueue import AsyncFairQueue, Ticket
 from gateway.engine_client import EnginePool
@@ -43,6 +46,7 @@ from gateway.queue import FairQueue, QueueLimits, TenantStats
 from gateway.registry import Registry, ResolvedAdapter
 from gateway.replica import Replica, ReplicaFailed
 from gateway.tenancy import TenantDirectory
+from gateway.tokenize import detokenize, tokenize
 
 log = logging.getLogger("adaptergate.core")
 access_log = logging.getLogger("adaptergate.access")
@@ -229,6 +233,22 @@ class Gateway:
                 self.metrics.first_token(tenant, first_token_at - started)
             if self._access_log:
                 self._log_access(request, status, elapsed, usage_note, parent)
+
+    # -- TokenService ----------------------------------------------------------------------------
+
+    async def tokenize(self, request: TokenizeRequest) -> Tokens:
+        """`request` tokenized by an engine, once the tenant may use its model as for a completion (or a chat)."""
+        await self._admit(
+            GatewayRequest(
+                "tokenize", request.tenant, request.adapter, request.prompt, request.messages, protocol=request.protocol
+            )
+        )
+        return await tokenize(self.pool, request)
+
+    async def detokenize(self, request: DetokenizeRequest) -> str:
+        """The text of `request.ids`, once the tenant may use its model as for a completion."""
+        await self._admit(GatewayRequest("detokenize", request.tenant, request.adapter, protocol=request.protocol))
+        return await detokenize(self.pool, request)
 
     # -- steps ---------------------------------------------------------------------------------
 

@@ -66,7 +66,7 @@ class EnginePool:
     ) -> None:
         self._max_concurrency = max_concurrency
         self._poll_interval_s = poll_interval_s
-        self._rpc_timeout_s = rpc_timeout_s
+        self.rpc_timeout_s = rpc_timeout_s  # the deadline of unary calls
         self._addresses = list(addresses)
         self.replicas: list[Replica] = []
         self._retiring: set[str] = set()
@@ -229,15 +229,9 @@ class EnginePool:
                 # on the retry instead of failing the request.
                 replica.adapters.pop(engine_name, None)
                 raise ReplicaFailed(f"{replica.name} did not know {engine_name}", before_admission=True) from None
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                # The engine answers UNAVAILABLE itself too (an adapter that failed to load). The replica is
-                # down, and its other streams are cut, only if it fails a Stats poll as well.
-                await self._poll(replica)
-                if replica.healthy:
-                    detail = e.details() or e.code().name
-                    raise ReplicaFailed(
-                        f"engine replica {replica.name} unavailable: {detail}", before_admission=not admitted
-                    ) from None
+            answered = await self._answered_unavailable(replica, e, admitted)
+            if answered is not None:
+                raise answered from None
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and request.deadline is not None:
                 # Our own call deadline (the request's): gRPC's text for it is "Deadline Exceeded" or "Stream
                 # removed", which tells a client nothing about which deadline or where.
@@ -264,6 +258,25 @@ class EnginePool:
                     # for engines that notice cancellation only at their next step.
                     self._spawn(self._abort(replica, request.request_id))
 
+    async def unary_error(self, replica: Replica, e: grpc.aio.AioRpcError) -> GatewayError:
+        """The gateway's error for a unary call that `replica` failed (`ReplicaFailed` where another replica may
+        answer it)."""
+        return await self._answered_unavailable(replica, e, False) or self._error(replica, e, admitted=False)
+
+    async def _answered_unavailable(
+        self, replica: Replica, e: grpc.aio.AioRpcError, admitted: bool
+    ) -> ReplicaFailed | None:
+        """The failure of a call the engine itself answered UNAVAILABLE (an adapter that failed to load, a drain)
+        while it still answers Stats; None otherwise. Only a failed poll marks the replica down and cuts its
+        other streams."""
+        if e.code() != grpc.StatusCode.UNAVAILABLE:
+            return None
+        await self._poll(replica)
+        if not replica.healthy:
+            return None
+        detail = e.details() or e.code().name
+        return ReplicaFailed(f"engine replica {replica.name} unavailable: {detail}", before_admission=not admitted)
+
     def _error(self, replica: Replica, e: grpc.aio.AioRpcError, admitted: bool) -> GatewayError:
         code = e.code()
         detail = e.details() or code.name
@@ -281,7 +294,7 @@ class EnginePool:
         # UsageError: the pool closed the channel meanwhile (a stream cut while the gateway shut down); the
         # engine drops the streams of a closed channel itself.
         with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
-            await replica.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self._rpc_timeout_s)
+            await replica.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self.rpc_timeout_s)
 
     # -- adapters ------------------------------------------------------------------------------
 
@@ -304,7 +317,7 @@ class EnginePool:
         )
         stub = replica.stub
         try:
-            response = await stub.LoadAdapter(request, timeout=self._rpc_timeout_s)
+            response = await stub.LoadAdapter(request, timeout=self.rpc_timeout_s)
         except asyncio.CancelledError:
             if _channel_closed_under(replica, stub):
                 raise ReplicaFailed(f"engine replica {replica.name} restarted", before_admission=True) from None
@@ -392,7 +405,7 @@ class EnginePool:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         replica.unloading[engine_name] = done
         try:
-            await replica.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=engine_name), timeout=self._rpc_timeout_s)
+            await replica.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=engine_name), timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
             log.warning("unload of %s on %s failed: %s", engine_name, replica.name, e.details())
         finally:
@@ -422,7 +435,7 @@ class EnginePool:
         before = dict(replica.adapters)
         stub = replica.stub
         try:
-            stats = await stub.Stats(pb.StatsRequest(), timeout=self._rpc_timeout_s)
+            stats = await stub.Stats(pb.StatsRequest(), timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
             if replica.stub is stub:
                 self._mark_unhealthy(replica, f"{e.code().name}: {e.details()}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from protocols.openapi_tokenize import tokenize_paths, tokenize_schemas
 from protocols.rest_input import (
     _MAX_FLOAT32,
     _MAX_LOGIT_BIAS,
@@ -17,12 +18,12 @@ from protocols.rest_input import (
     _MAX_SEED,
     _MAX_STOP,
     _MAX_STOP_TOKEN_IDS,
-    _MAX_TOKEN_ID,
     _MAX_TOP_K,
     _MIN_SEED,
     _TOKEN_ID,
     MAX_CACHE_SALT,
     MAX_CHOICES,
+    MAX_TOKEN_ID,
 )
 
 
@@ -188,7 +189,7 @@ _SAMPLING: dict[str, Any] = {
     },
     "stop_token_ids": {
         "type": "array",
-        "items": {"type": "integer", "minimum": 0, "maximum": _MAX_TOKEN_ID},
+        "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID},
         "maxItems": _MAX_STOP_TOKEN_IDS,
         "description": "Extension (vLLM): sampling one of these token ids ends the reply (finish_reason stop, "
         "ignore_eos or not); the token counts in the usage and has its logprobs, its text is left out unless "
@@ -625,7 +626,7 @@ def openapi_document(model_name: str) -> dict[str, Any]:
             "description": f"OpenAI-compatible API over {model_name} and its LoRA adapters.",
         },
         "components": {
-            "schemas": _schemas(),
+            "schemas": {**_schemas(), **tokenize_schemas(_ref)},
             "securitySchemes": {
                 "bearer": {"type": "http", "scheme": "bearer", "description": "A tenant's API key"},
                 "admin": {"type": "http", "scheme": "bearer", "description": "An admin API key"},
@@ -637,6 +638,7 @@ def openapi_document(model_name: str) -> dict[str, Any]:
                 "Chat completion", "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"
             ),
             "/v1/completions": _generate("Text completion", "CompletionRequest", "Completion", "CompletionChunk"),
+            **tokenize_paths(_ref, _json, _errors(400, 401, 403, 404, 413, 500, 503)),
             "/v1/models": {
                 "get": {
                     "summary": "Models this tenant may use: base and its adapters",

@@ -1,4 +1,5 @@
-"""OpenAI-compatible REST and SSE over aiohttp: /v1/completions, /v1/chat/completions, /v1/models.
+"""OpenAI-compatible REST and SSE over aiohttp: /v1/completions, /v1/chat/completions, /v1/models, and vLLM's
+/tokenize and /detokenize (`rest_tokenize`).
 
 Translation only: a JSON body becomes one `GatewayRequest` per choice (`n`, see `rest_choices`), their event
 streams become one JSON reply or SSE `data:` chunks ending with `data: [DONE]`. Every failure leaves as an OpenAI
@@ -33,12 +34,14 @@ from gateway.api import (
     HealthSource,
     Origin,
     Submitter,
+    TokenService,
 )
 from gateway.errors import GatewayError, InvalidRequest, Status, Unauthenticated
 from protocols.openapi import openapi_document
 from protocols.rest_choices import ChoiceEvent, choice_requests, close_events, merged_events
 from protocols.rest_input import ParsedBody, parse_chat, parse_completion, parse_model
 from protocols.rest_replies import error_body, error_response, stream_reply, whole_reply
+from protocols.rest_tokenize import detokenize_reply, parse_detokenize, parse_tokenize, tokenize_reply
 
 log = logging.getLogger("adaptergate.rest")
 _tracer = trace.get_tracer("adaptergate.rest")
@@ -89,7 +92,9 @@ class RestServer:
         model_name: str = "base",
         health: HealthSource | None = None,
         extra_routes: Sequence[web.RouteDef] = (),
+        tokens: TokenService | None = None,
     ) -> None:
+        """`tokens`: what answers /tokenize and /detokenize (without it, they answer 404)."""
         self._gateway = gateway
         self._host = host
         self._port = port
@@ -99,6 +104,7 @@ class RestServer:
         self._model_name = model_name
         self._health = health
         self._extra_routes = list(extra_routes)
+        self._tokens = tokens
         self._runner: web.AppRunner | None = None
         self._openapi = json.dumps(openapi_document(model_name)).encode()
         self._active = 0
@@ -114,6 +120,8 @@ class RestServer:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/v1/models/{model}", self._model)
         app.router.add_get("/openapi.json", self._openapi_json)
         app.router.add_get("/healthz", self._healthz)
@@ -222,6 +230,22 @@ class RestServer:
         tenant = self._tenant(request)
         body = parse_completion(await self._json(request), self._model_name)
         return await self._generate(request, tenant, body, chat=False)
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        tenant = self._tenant(request)
+        body = parse_tokenize(await self._json(request), self._model_name, tenant)
+        return await tokenize_reply(self._token_service(), body, _given_request_id(request.headers.get("X-Request-Id")))
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        tenant = self._tenant(request)
+        body = parse_detokenize(await self._json(request), self._model_name, tenant)
+        echo = _given_request_id(request.headers.get("X-Request-Id"))
+        return await detokenize_reply(self._token_service(), body, echo)
+
+    def _token_service(self) -> TokenService:
+        if self._tokens is None:
+            raise HttpError(404, "tokenization is not served here", code="not_found")
+        return self._tokens
 
     async def _models(self, request: web.Request) -> web.Response:
         tenant = self._tenant(request)

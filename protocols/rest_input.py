@@ -36,7 +36,7 @@ MAX_CACHE_SALT = 1024
 # digits at most, past any vocabulary and within the wire's uint32), each biased within [-100, 100].
 _MAX_LOGIT_BIAS = 300
 _TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,8}")
-_MAX_TOKEN_ID = 10**9 - 1
+MAX_TOKEN_ID = 10**9 - 1
 # vLLM's stop_token_ids: at most 64 token ids (ours; vLLM sets no bound), each within the same range; ids past
 # the vocabulary are the engine's to refuse (it knows the vocabulary).
 _MAX_STOP_TOKEN_IDS = 64
@@ -90,18 +90,15 @@ class ParsedBody:
 
 def parse_chat(data: object, base_name: str) -> ParsedBody:
     """Validate a /v1/chat/completions body."""
-    body = _object(data)
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise _bad("messages must be a non-empty array of {role, content} objects", "messages")
-    messages = tuple(_message(item, i) for i, item in enumerate(raw))
+    body = body_object(data)
+    messages = chat_messages(body)
     for name in ("tools", "functions"):
         _no_op(body, name, f"{name} are not supported", [])
     _no_op(body, "tool_choice", "tool_choice is not supported", "none")
-    logprobs = _flag(body, "logprobs")
+    logprobs = flag(body, "logprobs")
     top = _logprobs_count(body, "top_logprobs")
     if top and not logprobs:  # 0 changes nothing, and vLLM accepts it alone
-        raise _bad("top_logprobs needs logprobs to be true", "top_logprobs")
+        raise field_error("top_logprobs needs logprobs to be true", "top_logprobs")
     # Both are checked; the newer max_completion_tokens wins when a client sends both.
     max_tokens = _int(body, "max_tokens", 1)
     newer = _int(body, "max_completion_tokens", 1)
@@ -113,26 +110,42 @@ def parse_chat(data: object, base_name: str) -> ParsedBody:
 
 def parse_completion(data: object, base_name: str) -> ParsedBody:
     """Validate a /v1/completions body."""
-    body = _object(data)
+    body = body_object(data)
     prompt = body.get("prompt")
     if isinstance(prompt, list):
         if len(prompt) != 1:
-            raise _bad("send exactly one prompt per request (batched prompts are not supported)", "prompt")
+            raise field_error("send exactly one prompt per request (batched prompts are not supported)", "prompt")
         prompt = prompt[0]
     if not isinstance(prompt, str):
-        raise _bad("prompt must be a string (token-id prompts are not supported)", "prompt")
-    _text(prompt, "prompt")
+        raise field_error("prompt must be a string (token-id prompts are not supported)", "prompt")
+    valid_text(prompt, "prompt")
     logprobs = _logprobs_count(body, "logprobs")
-    echo = _flag(body, "echo")
+    echo = flag(body, "echo")
     _no_op(body, "suffix", "suffix is not supported", "")
     # vLLM V1 refuses best_of > 1 (it removed best_of: vllm-project/vllm#13361) and takes 1 as a no-op, which
     # clients such as LangChain send with any n.
     best_of = _int(body, "best_of", 1)
     if best_of not in (None, 1):
-        raise _bad("best_of > 1 is not supported; use n for several choices", "best_of")
+        raise field_error("best_of > 1 is not supported; use n for several choices", "best_of")
     # vLLM's: max_tokens 0 with echo scores the prompt alone (lm-evaluation-harness's loglikelihood requests).
     max_tokens = _int(body, "max_tokens", 0 if echo else 1)
     return _common(body, base_name, prompt, None, max_tokens, logprobs, echo)
+
+
+def chat_messages(body: dict[str, Any]) -> tuple[ChatMessage, ...]:
+    """A chat body's `messages`, validated."""
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise field_error("messages must be a non-empty array of {role, content} objects", "messages")
+    return tuple(_message(item, i) for i, item in enumerate(raw))
+
+
+def model_field(body: dict[str, Any], base_name: str) -> tuple[str, str | None]:
+    """A body's `model` as the client wrote it, and the adapter it names (None for the base model)."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise field_error("model is required: 'base', 'base:ADAPTER' or 'ADAPTER'", "model")
+    return model, parse_model(model, base_name)
 
 
 def parse_model(model: str, base_name: str) -> str | None:
@@ -142,7 +155,7 @@ def parse_model(model: str, base_name: str) -> str | None:
     if model.startswith("base:"):
         adapter = model[len("base:") :]
         if not adapter:
-            raise _bad("model 'base:' names no adapter; use 'base' or 'base:ADAPTER'", "model")
+            raise field_error("model 'base:' names no adapter; use 'base' or 'base:ADAPTER'", "model")
         return adapter
     return model
 
@@ -156,25 +169,23 @@ def _common(
     logprobs: int | None,
     echo: bool = False,
 ) -> ParsedBody:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("model is required: 'base', 'base:ADAPTER' or 'ADAPTER'", "model")
+    model, adapter = model_field(body, base_name)
     n = _int(body, "n", 1, MAX_CHOICES) or 1
-    stream = _flag(body, "stream")
+    stream = flag(body, "stream")
     include_usage = False
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict):
-            raise _bad("stream_options must be an object", "stream_options")
+            raise field_error("stream_options must be an object", "stream_options")
         include_usage = options.get("include_usage", False)
         if not isinstance(include_usage, bool):
-            raise _bad("stream_options.include_usage must be true or false", "stream_options")
+            raise field_error("stream_options.include_usage must be true or false", "stream_options")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise _bad("user must be a string", "user")
+        raise field_error("user must be a string", "user")
     cache_salt = body.get("cache_salt")
     if cache_salt is not None and not (isinstance(cache_salt, str) and 0 < len(cache_salt) <= MAX_CACHE_SALT):
-        raise _bad(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters", "cache_salt")
+        raise field_error(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters", "cache_salt")
     # vLLM's sampling extensions, which vLLM clients send, that the engine has no knob for.
     for name, accepted in _VLLM_NO_OPS.items():
         _no_op(body, name, f"{name} is not supported (a vLLM extension)", *accepted)
@@ -183,11 +194,11 @@ def _common(
     repetition_penalty = _number(body, "repetition_penalty", 0.0, _MAX_FLOAT32, above=True)
     min_tokens = _int(body, "min_tokens", 0, _MAX_MIN_TOKENS)
     if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
-        raise _bad(f"min_tokens must be at most max_tokens ({max_tokens}), got {min_tokens}", "min_tokens")
+        raise field_error(f"min_tokens must be at most max_tokens ({max_tokens}), got {min_tokens}", "min_tokens")
     structured_field, structured_kind, structured_spec = _structured_output(body)
     prompt_logprobs = _logprobs_count(body, "prompt_logprobs")
     if prompt_logprobs and stream:  # vLLM's refusal, in its words (0 asks for nothing a stream would carry)
-        raise _bad("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+        raise field_error("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
     # The engine's count: the client's prompt_logprobs, echo's entries (as many top tokens as logprobs: vLLM's),
     # and none for echo with max_tokens 0, which needs the engine's prompt-only mode all the same.
     counts = [] if prompt_logprobs is None or stream else [prompt_logprobs]
@@ -207,16 +218,16 @@ def _common(
         logit_bias=_logit_bias(body.get("logit_bias")),
         min_p=_number(body, "min_p", 0.0, 1.0) or 0.0,
         min_tokens=min_tokens or 0,
-        ignore_eos=_flag(body, "ignore_eos"),
+        ignore_eos=flag(body, "ignore_eos"),
         stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
-        include_stop_str_in_output=_flag(body, "include_stop_str_in_output"),
+        include_stop_str_in_output=flag(body, "include_stop_str_in_output"),
         structured_kind=structured_kind,
         structured_spec=structured_spec,
         prompt_logprobs=max(counts) if counts else None,
     )
     return ParsedBody(
         model=model,
-        adapter=parse_model(model, base_name),
+        adapter=adapter,
         prompt=prompt,
         messages=messages,
         sampling=sampling,
@@ -247,7 +258,7 @@ def _structured_output(body: dict[str, Any]) -> tuple[str | None, str, str]:
             found.append((name, kind, _guided(name, value)))
     if len(found) > 1:  # vLLM's words
         names = ", ".join(name for name, _, _ in found)
-        raise _bad(
+        raise field_error(
             f"You can only use one kind of structured outputs constraint but multiple are specified: {names}",
             found[1][0],
         )
@@ -256,7 +267,7 @@ def _structured_output(body: dict[str, Any]) -> tuple[str | None, str, str]:
 
 def _response_format(fmt: object) -> tuple[str, str]:
     if not isinstance(fmt, dict) or fmt.get("type") not in _RESPONSE_FORMATS:
-        raise _bad(
+        raise field_error(
             f"response_format must be an object whose type is one of {', '.join(_RESPONSE_FORMATS)}", "response_format"
         )
     if fmt["type"] != "json_schema":
@@ -264,16 +275,18 @@ def _response_format(fmt: object) -> tuple[str, str]:
     where = "response_format.json_schema"
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict):
-        raise _bad(f"{where} must be an object with a name and a schema", where)
+        raise field_error(f"{where} must be an object with a name and a schema", where)
     name = spec.get("name")
     if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
-        raise _bad(f"{where}.name must be 1 to 64 letters, digits, underscores or dashes", f"{where}.name")
+        raise field_error(f"{where}.name must be 1 to 64 letters, digits, underscores or dashes", f"{where}.name")
     schema = spec.get("schema")
     if not isinstance(schema, dict):
-        raise _bad(f"{where}.schema must be a JSON schema (an object)", f"{where}.schema")
+        raise field_error(f"{where}.schema must be a JSON schema (an object)", f"{where}.schema")
     for key, kind in (("strict", bool), ("description", str)):
         if spec.get(key) is not None and not isinstance(spec[key], kind):
-            raise _bad(f"{where}.{key} must be {'true or false' if kind is bool else 'a string'}", f"{where}.{key}")
+            raise field_error(
+                f"{where}.{key} must be {'true or false' if kind is bool else 'a string'}", f"{where}.{key}"
+            )
     return "json_schema", json.dumps(schema)
 
 
@@ -287,20 +300,20 @@ def _guided(name: str, value: object) -> str:
             except ValueError:
                 schema = None
         if not isinstance(schema, dict):
-            raise _bad("guided_json must be a JSON schema: an object, or a string holding one", name)
+            raise field_error("guided_json must be a JSON schema: an object, or a string holding one", name)
         return json.dumps(schema)
     if name == "guided_choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-            raise _bad("guided_choice must be a non-empty array of non-empty strings", name)
-        return json.dumps([_text(c, name) for c in value])
+            raise field_error("guided_choice must be a non-empty array of non-empty strings", name)
+        return json.dumps([valid_text(c, name) for c in value])
     if not isinstance(value, str) or not value:
-        raise _bad(f"{name} must be a non-empty string", name)
-    return _text(value, name)
+        raise field_error(f"{name} must be a non-empty string", name)
+    return valid_text(value, name)
 
 
-def _object(data: object) -> dict[str, Any]:
+def body_object(data: object) -> dict[str, Any]:
     if not isinstance(data, dict):
-        raise _bad("request body must be a JSON object")
+        raise field_error("request body must be a JSON object")
     return data
 
 
@@ -308,28 +321,28 @@ def _no_op(body: dict[str, Any], name: str, message: str, *accepted: object) -> 
     """Refuse an unsupported field unless it is absent, null, or one of its no-op values (same JSON type)."""
     value = body.get(name)
     if value is not None and not any(type(value) is type(a) and value == a for a in accepted):
-        raise _bad(message, name)
+        raise field_error(message, name)
 
 
 def _message(item: object, index: int) -> ChatMessage:
     where = f"messages[{index}]"
     if not isinstance(item, dict):
-        raise _bad(f"{where} must be an object with role and content", where)
+        raise field_error(f"{where} must be an object with role and content", where)
     role = item.get("role")
     # isinstance first: a list or object role is unhashable and would raise inside the set lookup.
     if not isinstance(role, str) or role not in _ROLES:
-        raise _bad(f"{where}.role must be one of {', '.join(sorted(_ROLES))}, got {role!r}", f"{where}.role")
+        raise field_error(f"{where}.role must be one of {', '.join(sorted(_ROLES))}, got {role!r}", f"{where}.role")
     content = item.get("content")
     if isinstance(content, list):
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad(f"{where}.content: only text parts are supported", f"{where}.content")
+                raise field_error(f"{where}.content: only text parts are supported", f"{where}.content")
             texts.append(part["text"])
         content = "".join(texts)
     if not isinstance(content, str):
-        raise _bad(f"{where}.content must be a string or an array of text parts", f"{where}.content")
-    _text(content, f"{where}.content")
+        raise field_error(f"{where}.content must be a string or an array of text parts", f"{where}.content")
+    valid_text(content, f"{where}.content")
     # The chat template knows system, not the newer developer role; they mean the same here.
     return ChatMessage("system" if role == "developer" else str(role), content)
 
@@ -339,20 +352,22 @@ def _int(body: dict[str, Any], name: str, minimum: int | None, maximum: int | No
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"{name} must be an integer, got {type(value).__name__}", name)
+        raise field_error(f"{name} must be an integer, got {type(value).__name__}", name)
     if minimum is not None and value < minimum:
-        raise _bad(f"{name} must be at least {minimum}, got {value}", name)
+        raise field_error(f"{name} must be at least {minimum}, got {value}", name)
     if maximum is not None and value > maximum:
-        raise _bad(f"{name} must be at most {maximum}, got {value}", name)
+        raise field_error(f"{name} must be at most {maximum}, got {value}", name)
     return value
 
 
-def _flag(body: dict[str, Any], name: str) -> bool:
-    """A boolean field; absent or null is false."""
+def flag(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    """A boolean field; absent or null is `default`."""
     value = body.get(name)
-    if value is not None and not isinstance(value, bool):
-        raise _bad(f"{name} must be true or false", name)
-    return bool(value)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise field_error(f"{name} must be true or false", name)
+    return value
 
 
 def _logprobs_count(body: dict[str, Any], name: str) -> int | None:
@@ -361,7 +376,7 @@ def _logprobs_count(body: dict[str, Any], name: str) -> int | None:
     count = _int(body, name, 0)
     if count is not None and count > _MAX_LOGPROBS:
         kind = "prompt" if name == "prompt_logprobs" else "sample"
-        raise _bad(
+        raise field_error(
             f"Requested {kind} logprobs of {count}, which is greater than max allowed: {_MAX_LOGPROBS} "
             f"(parameter={name}, value={count})",
             name,
@@ -377,13 +392,13 @@ def _number(body: dict[str, Any], name: str, low: float, high: float, *, above: 
 
 def _bounded(value: object, name: str, param: str, low: float, high: float, *, above: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _bad(f"{name} must be a number", param)
+        raise field_error(f"{name} must be a number", param)
     # Only floats can be NaN or infinite; math.isfinite on a JSON integer beyond float range overflows.
     if isinstance(value, float) and not math.isfinite(value):
-        raise _bad(f"{name} must be a number", param)
+        raise field_error(f"{name} must be a number", param)
     if not (low < value <= high if above else low <= value <= high):
         bounds = f"greater than {low:g} and at most {high:g}" if above else f"between {low:g} and {high:g}"
-        raise _bad(f"{name} must be {bounds}, got {value}", param)
+        raise field_error(f"{name} must be {bounds}, got {value}", param)
     return float(value)
 
 
@@ -393,13 +408,15 @@ def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
     if value is None:
         return ()
     if not isinstance(value, dict):
-        raise _bad("logit_bias must be an object mapping token ids to biases", "logit_bias")
+        raise field_error("logit_bias must be an object mapping token ids to biases", "logit_bias")
     if len(value) > _MAX_LOGIT_BIAS:
-        raise _bad(f"logit_bias may hold at most {_MAX_LOGIT_BIAS} token ids, got {len(value)}", "logit_bias")
+        raise field_error(f"logit_bias may hold at most {_MAX_LOGIT_BIAS} token ids, got {len(value)}", "logit_bias")
     out = []
     for key, bias in value.items():
         if not isinstance(key, str) or not _TOKEN_ID.fullmatch(key):
-            raise _bad(f"logit_bias keys must be token ids (integers from 0 to 999999999), got {key!r}", "logit_bias")
+            raise field_error(
+                f"logit_bias keys must be token ids (integers from 0 to 999999999), got {key!r}", "logit_bias"
+            )
         out.append((int(key), _bounded(bias, f"logit_bias[{key!r}]", "logit_bias", -100.0, 100.0)))
     return tuple(out)
 
@@ -410,11 +427,11 @@ def _stop_token_ids(value: object) -> tuple[int, ...]:
     if (
         not isinstance(value, list)
         or len(value) > _MAX_STOP_TOKEN_IDS
-        or not all(type(t) is int and 0 <= t <= _MAX_TOKEN_ID for t in value)
+        or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in value)
     ):
-        raise _bad(
+        raise field_error(
             f"stop_token_ids must be an array of at most {_MAX_STOP_TOKEN_IDS} token ids "
-            f"(integers from 0 to {_MAX_TOKEN_ID})",
+            f"(integers from 0 to {MAX_TOKEN_ID})",
             "stop_token_ids",
         )
     return tuple(value)
@@ -424,22 +441,24 @@ def _stop(value: object) -> tuple[str, ...]:
     if value is None:
         return ()
     if isinstance(value, str):
-        return (_text(value, "stop"),) if value else ()
+        return (valid_text(value, "stop"),) if value else ()
     if isinstance(value, list) and all(isinstance(s, str) for s in value) and len(value) <= _MAX_STOP:
-        return tuple(_text(s, "stop") for s in value if s)
-    raise _bad(f"stop must be a string or an array of at most {_MAX_STOP} strings", "stop")
+        return tuple(valid_text(s, "stop") for s in value if s)
+    raise field_error(f"stop must be a string or an array of at most {_MAX_STOP} strings", "stop")
 
 
-def _text(value: str, param: str) -> str:
+def valid_text(value: str, param: str) -> str:
     # JSON escapes can spell a lone UTF-16 surrogate ("\ud800"), which no UTF-8 wire (the engine's gRPC
     # strings) can carry.
     if not value.isascii():
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise _bad(f"{param} contains an unpaired surrogate escape (not valid Unicode text)", param) from None
+            raise field_error(
+                f"{param} contains an unpaired surrogate escape (not valid Unicode text)", param
+            ) from None
     return value
 
 
-def _bad(message: str, param: str | None = None) -> FieldError:
+def field_error(message: str, param: str | None = None) -> FieldError:
     return FieldError(Status.INVALID_ARGUMENT, message, param)

@@ -21,4 +21,13 @@ def test_stubs_match_the_proto() -> None:
     from engine import engine_pb2
 
     names = {m.name for m in engine_pb2.DESCRIPTOR.services_by_name["Engine"].methods}
-    assert names == {"Generate", "Abort", "LoadAdapter", "UnloadAdapter", "ListAdapters", "Stats"}
+    assert names == {
+        "Generate",
+        "Abort",
+        "LoadAdapter",
+        "UnloadAdapter",
+        "ListAdapters",
+        "Stats",
+        "Tokenize",
+        "Detokenize",
+    }
