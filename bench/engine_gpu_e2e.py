@@ -397,8 +397,8 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], col
     gaps("none", "warmup")
     folded = eng.forward.folded_prompts
     steady, warm = gaps("none", "s"), gaps("warm", "w")
+    on_adapters = [f"xw{j}" for j in range(4)]  # the running requests' adapters, as a LoRA gateway's are
     if not cold_joins:
-        on_adapters = [f"xw{j}" for j in range(4)]
         steady_lora = gaps("none", "sl", running_on=on_adapters)
         running_lora = gaps("running", "rl", running_on=on_adapters)
         admin.shutdown()
@@ -438,9 +438,8 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], col
         f"{p99(elsewhere) * 1e3:.2f} ms ({p99(elsewhere) / p99(steady):.2f}x steady, "
         f"{p99(elsewhere) / p99(warm):.2f}x the warm joins)"
     )
-    # The same, with the running requests on adapters (as a LoRA gateway's are): the steady step then
-    # runs the LoRA kernels already, and a join adds only its own rows and its adapter's load.
-    on_adapters = [f"xw{j}" for j in range(4)]
+    # The same, with the running requests on adapters: the steady step then runs the LoRA kernels already,
+    # and a join adds only its own rows and its adapter's load.
     steady_lora, running_lora = (
         gaps("none", "sl", running_on=on_adapters),
         gaps("running", "rl", running_on=on_adapters),

@@ -159,7 +159,7 @@ class EnginePool:
             if not r.takes_requests or r.in_flight >= r.capacity or r in exclude:
                 continue
             cold = 0 if engine_name is None or engine_name in r.adapters else 1
-            key = (cold, r.in_flight / r.capacity)
+            key = (cold, r.load)
             ranked[r.name] = (r, key)
             if key < best_key:
                 best, best_key = r, key

@@ -49,6 +49,11 @@ class Replica:
         """Healthy and not draining: new requests may go here."""
         return self.healthy and not self.draining
 
+    @property
+    def load(self) -> float:
+        """The share of its request slots in use: what routing balances."""
+        return self.in_flight / self.capacity
+
     def residency(self) -> dict[str, object]:
         """Address, health, load and the adapter versions it holds with their state (the admin API's view)."""
         return {

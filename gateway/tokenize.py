@@ -17,7 +17,7 @@ from engine import engine_pb2_grpc as pb_grpc
 from gateway.api import DetokenizeRequest, TokenizeRequest, Tokens
 from gateway.engine_client import EnginePool
 from gateway.errors import GatewayError, InvalidRequest, Unavailable
-from gateway.replica import Replica, ReplicaFailed
+from gateway.replica import ReplicaFailed
 
 _T = TypeVar("_T")
 # As the core's: long enough for a supervised restart to make progress.
@@ -58,7 +58,7 @@ async def _on_any_replica(pool: EnginePool, call: Callable[[pb_grpc.EngineStub, 
         ready = [r for r in pool.replicas if r.takes_requests and r.name not in tried]
         if not ready:
             raise failed or Unavailable("no engine replica is available", retry_after_s=_NO_ENGINE_RETRY_S)
-        replica = min(ready, key=_load)
+        replica = min(ready, key=lambda r: r.load)
         try:
             return await call(replica.stub, pool.rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
@@ -66,7 +66,3 @@ async def _on_any_replica(pool: EnginePool, call: Callable[[pb_grpc.EngineStub, 
             if not isinstance(failed, ReplicaFailed):
                 raise failed from None
             tried.add(replica.name)
-
-
-def _load(replica: Replica) -> float:
-    return replica.in_flight / replica.capacity

@@ -234,7 +234,8 @@ class RestServer:
     async def _tokenize(self, request: web.Request) -> web.Response:
         tenant = self._tenant(request)
         body = parse_tokenize(await self._json(request), self._model_name, tenant)
-        return await tokenize_reply(self._token_service(), body, _given_request_id(request.headers.get("X-Request-Id")))
+        echo = _given_request_id(request.headers.get("X-Request-Id"))
+        return await tokenize_reply(self._token_service(), body, echo)
 
     async def _detokenize(self, request: web.Request) -> web.Response:
         tenant = self._tenant(request)

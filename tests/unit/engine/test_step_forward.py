@@ -48,12 +48,18 @@ def _eager(kv: KVCache, rows: list[tuple[Sequence, list[int], int]]) -> torch.Te
     return _model()(torch.tensor(ids), torch.tensor(positions), slices, kv, lora)
 
 
+def _graphed(kv: KVCache, fold_prompt_tokens: int = 0) -> StepForward:
+    """A forward with decode graphs over `kv`'s rows, plus `fold_prompt_tokens` rows for prompts (as the engine
+    captures them), and no prefill graphs."""
+    stacks = _stacks(fused=True)
+    graphs = cuda_graphs.DecodeGraphs(_model(), kv, stacks, kv.total + fold_prompt_tokens, None)
+    graphs.capture_all()
+    return StepForward(_model(), kv, stacks, CPU, graphs, fold_prompt_tokens=fold_prompt_tokens)
+
+
 def test_decoding_rows_replay_a_graph_and_new_prompts_follow_eagerly(replays: list[object]) -> None:
     graphed_kv, eager_kv = _caches()
-    stacks = _stacks(fused=True)
-    graphs = cuda_graphs.DecodeGraphs(_model(), graphed_kv, stacks, 4, None)
-    graphs.capture_all()
-    forward = StepForward(_model(), graphed_kv, stacks, CPU, graphs)
+    forward = _graphed(graphed_kv)
     a, b, c = _seq("a", [5, 6, 7, 8, 9], 0, 0), _seq("b", [1, 2, 3], 1, -1), _seq("c", [4, 4, 2, 7], 2, 1)
     for seq in (a, b):  # both already prefilled, one token sampled
         for kv in (graphed_kv, eager_kv):
@@ -98,10 +104,7 @@ def test_a_prompt_prefilled_in_chunks_beside_graphed_decoding_rows_ends_as_a_who
     the first key, so it would keep a chunk's rows from most of them), eagerly or as rows of the decode graph;
     a chunk short of the prompt's end gets no row, and the last gives the logits a whole prefill gives."""
     graphed_kv, eager_kv = _caches()
-    stacks = _stacks(fused=True)
-    graphs = cuda_graphs.DecodeGraphs(_model(), graphed_kv, stacks, 4, None)
-    graphs.capture_all()
-    forward = StepForward(_model(), graphed_kv, stacks, CPU, graphs)
+    forward = _graphed(graphed_kv)
     a, b = _seq("a", [5, 6, 7], 0, 0), _seq("b", [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], 1, 1)
     _eager(graphed_kv, [(a, a.prompt_ids, 0)])
     a.output_ids, a.status = [9], SeqStatus.RUNNING
@@ -132,10 +135,7 @@ def test_a_prompt_prefilled_in_chunks_beside_graphed_decoding_rows_ends_as_a_who
 def test_a_chunk_of_a_prompt_asking_for_prompt_logprobs_stays_out_of_the_decode_graph(replays: list[object]) -> None:
     # The decode graph keeps a folded chunk's last row only: every position's logits would be lost.
     graphed_kv, _ = _caches()
-    stacks = _stacks(fused=True)
-    graphs = cuda_graphs.DecodeGraphs(_model(), graphed_kv, stacks, 4, None)
-    graphs.capture_all()
-    forward = StepForward(_model(), graphed_kv, stacks, CPU, graphs)
+    forward = _graphed(graphed_kv)
     a, b = _seq("a", [5, 6, 7], 0, 0), _seq("b", [3, 1, 4, 1, 5], 1, 1)
     b.params = dataclasses.replace(b.params, prompt_logprobs=2)
     _eager(graphed_kv, [(a, a.prompt_ids, 0)])
@@ -153,10 +153,7 @@ def test_short_prompts_joining_decoding_rows_run_as_rows_of_the_decode_graph(rep
     (one graph for the step), and gives the eager model's logits; a longer one, or one with no row decoding
     beside it, does not."""
     graphed_kv, eager_kv = _caches()
-    stacks = _stacks(fused=True)
-    graphs = cuda_graphs.DecodeGraphs(_model(), graphed_kv, stacks, 4 + 4, None)  # 4 rows for prompts
-    graphs.capture_all()
-    forward = StepForward(_model(), graphed_kv, stacks, CPU, graphs, fold_prompt_tokens=4)
+    forward = _graphed(graphed_kv, fold_prompt_tokens=4)
     a, c, d = _seq("a", [5, 6, 7], 0, 0), _seq("c", [4, 4, 2, 7], 1, 1), _seq("d", [3, 1, 4, 1, 5], 2, -1)
 
     order, logits = forward.logits([a], {a: 3}, None)  # nothing decodes beside it: eager (no prefill graphs)
