@@ -79,12 +79,12 @@ class AdminApi:
         # anything is stored: a bad manifest gets a 400 naming the problem, not a silent broken adapter.
         try:
             for instance in instances:
-                await self._gateway.pool.validate(all_versions(instance))
+                await self._gateway.pool.adapters.validate(all_versions(instance))
         except GatewayError:
             # The check registered versions on an engine: those no traffic uses must not stay there (pinned, they
             # would hold a LoRA slot for good).
             in_use = {r.engine_name for r in registry.versions_in_use()}
-            self._gateway.pool.retire({a.engine_name for i in instances for a in all_versions(i)} - in_use)
+            self._gateway.pool.adapters.retire({a.engine_name for i in instances for a in all_versions(i)} - in_use)
             raise
         # SQLite writes stay off the event loop; the registry is thread-safe.
         applied = [await asyncio.to_thread(registry.apply_and_report, instance) for instance in instances]

@@ -99,7 +99,7 @@ class Gateway:
         self.pool.add_capacity_listener(self.queue.pump)
         self.pool.add_health_listener(self._on_replica_health)
         self.registry.add_listener(self._on_registry_change)
-        await self.pool.register_everywhere(self.registry.versions_in_use())
+        await self.pool.adapters.register_everywhere(self.registry.versions_in_use())
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -308,7 +308,8 @@ class Gateway:
     def _on_replica_health(self, replica: Replica) -> None:
         if replica.healthy and not replica.draining:
             # Refreshed there: `pin` or a source may have changed while it was out of reach, adapters kept.
-            self._spawn(lambda: self.pool.register_everywhere(self.registry.versions_in_use(), refresh=(replica,)))
+            adapters = self.pool.adapters
+            self._spawn(lambda: adapters.register_everywhere(self.registry.versions_in_use(), refresh=(replica,)))
         elif self.pool.healthy_count() == 0:
             failed = self.queue.fail_waiting(_no_engine())
             if failed:
@@ -319,15 +320,15 @@ class Gateway:
         in_use = [r for r in self.registry.versions_in_use() if r.name == name]
         # Registered again where known too: an apply that changes only `pin` (or a version's source) must
         # reach the engines.
-        await self.pool.register_everywhere(in_use, refresh=self.pool.replicas)
+        await self.pool.adapters.register_everywhere(in_use, refresh=self.pool.replicas)
         # Read again: an apply of the same name may have come, and had its sync, while this one waited.
         keep = {r.engine_name for r in self.registry.versions_in_use() if r.name == name}
         prefix = f"{name}@"
-        known = {n for r in self.pool.replicas for n in r.adapters} | self.pool.wanted_names()
+        known = {n for r in self.pool.replicas for n in r.adapters} | self.pool.adapters.wanted_names()
         stale = {n for n in known if n.startswith(prefix) and n not in keep}
         if stale:
             log.info("retiring adapter versions %s", sorted(stale))
-            self.pool.retire(stale)
+            self.pool.adapters.retire(stale)
 
     def _spawn(self, factory: Callable[[], Any]) -> None:
         task = asyncio.ensure_future(factory())

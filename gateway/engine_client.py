@@ -1,4 +1,5 @@
-"""Engine replicas behind one pool: replica choice, adapter registration, and the Generate stream.
+"""Engine replicas behind one pool: replica choice, health, and the Generate stream (adapter versions on the
+replicas: `gateway/adapter_registration.py`).
 
 The pool knows each replica's health and which adapter versions it holds (polled with `Stats` and
 updated by our own `LoadAdapter` calls). A request goes to a healthy replica with a free slot, preferring
@@ -14,16 +15,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Collection, Coroutine, Iterable, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 import grpc
 
 from engine import engine_pb2 as pb
 from engine import engine_pb2_grpc as pb_grpc
+from gateway.adapter_registration import AdapterRegistrations
 from gateway.affinity import LOAD_SLACK, AffinityTable
 from gateway.api import Done, GatewayRequest, TokenChunk
-from gateway.engine_wire import ResponseEvents, absolute_path, generate_request
+from gateway.engine_wire import ResponseEvents, generate_request
 from gateway.errors import (
     DeadlineExceeded,
     GatewayError,
@@ -33,7 +35,7 @@ from gateway.errors import (
     Unavailable,
 )
 from gateway.registry import ResolvedAdapter
-from gateway.replica import Replica, ReplicaFailed
+from gateway.replica import Replica, ReplicaFailed, channel_closed_under
 
 log = logging.getLogger("adaptergate.engine_client")
 
@@ -69,18 +71,17 @@ class EnginePool:
         self.rpc_timeout_s = rpc_timeout_s  # the deadline of unary calls
         self._addresses = list(addresses)
         self.replicas: list[Replica] = []
-        self._retiring: set[str] = set()
-        # Versions in use (what `register_everywhere` was last asked for and not retired since): each poll
-        # registers those a healthy replica lacks (a registration that failed, an engine that forgot).
-        self._wanted: dict[str, ResolvedAdapter] = {}
-        # (replica, version) registrations the engine refused on their merits (a missing file, a pin it has no
-        # room for): polls do not ask again every second; the next `register_everywhere` of the version does.
-        self._refused: set[tuple[str, str]] = set()
         self._listeners: list[Callable[[], None]] = []
         self._health_listeners: list[Callable[[Replica], None]] = []
         self._tasks: set[asyncio.Task[object]] = set()
         self._poller: asyncio.Task[None] | None = None
         self._affinity = AffinityTable()
+        self.adapters = AdapterRegistrations(
+            self.replicas,
+            rpc_timeout_s=rpc_timeout_s,
+            error_of=lambda replica, e: self._error(replica, e, admitted=False),
+            spawn=self._spawn,
+        )
 
     async def __aenter__(self) -> EnginePool:
         for address in self._addresses:
@@ -197,7 +198,7 @@ class EnginePool:
         if adapter is not None:
             engine_name = adapter.engine_name
             if engine_name not in replica.adapters:
-                await self.register(replica, adapter)
+                await self.adapters.register(replica, adapter)
         try:
             message = generate_request(request, engine_name)
         except ValueError as e:
@@ -208,7 +209,7 @@ class EnginePool:
         call = replica.stub.Generate(message, timeout=timeout, metadata=metadata)
         replica.calls.add(call)
         if engine_name:
-            replica.active[engine_name] = replica.active.get(engine_name, 0) + 1
+            self.adapters.start_using(replica, engine_name)
         admitted = finished = False
         events = ResponseEvents(adapter.version if adapter is not None else None)
         try:
@@ -250,7 +251,7 @@ class EnginePool:
             replica.calls.discard(call)
             replica.cut.discard(call)
             if engine_name:
-                self._end_active(replica, engine_name)
+                self.adapters.stop_using(replica, engine_name)
             if not finished:
                 call.cancel()
                 if admitted and replica.healthy:
@@ -298,120 +299,6 @@ class EnginePool:
 
     # -- adapters ------------------------------------------------------------------------------
 
-    async def register(self, replica: Replica, adapter: ResolvedAdapter) -> None:
-        """Register `adapter` on `replica` (once, however many requests ask at the same time)."""
-        name = adapter.engine_name
-        # An unload still on its way could be served after this registration (separate RPCs keep no order).
-        while (unloading := replica.unloading.get(name)) is not None:
-            await asyncio.shield(unloading)
-        pending = replica.loading.get(name)
-        if pending is None:
-            pending = asyncio.ensure_future(self._load(replica, adapter))
-            replica.loading[name] = pending
-            pending.add_done_callback(lambda _: replica.loading.pop(name, None))
-        await asyncio.shield(pending)
-
-    async def _load(self, replica: Replica, adapter: ResolvedAdapter) -> None:
-        request = pb.LoadAdapterRequest(
-            name=adapter.engine_name, path=absolute_path(adapter.source), pin=adapter.pin, wait=False
-        )
-        stub = replica.stub
-        try:
-            response = await stub.LoadAdapter(request, timeout=self.rpc_timeout_s)
-        except asyncio.CancelledError:
-            if _channel_closed_under(replica, stub):
-                raise ReplicaFailed(f"engine replica {replica.name} restarted", before_admission=True) from None
-            raise
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                # Our RPC timeout, or the engine's check queued behind loads: a slow replica, not the request's
-                # deadline (DeadlineExceeded would tell a client without one "504 Deadline Exceeded").
-                raise ReplicaFailed(
-                    f"engine replica {replica.name} did not register {adapter.engine_name} in time: {e.details()}",
-                    before_admission=True,
-                ) from None
-            error = self._error(replica, e, admitted=False)
-            if isinstance(error, InvalidRequest | NotFound):  # the engine's verdict on the adapter, not a hiccup
-                self._refused.add((replica.name, adapter.engine_name))
-            raise error from None
-        self._refused.discard((replica.name, adapter.engine_name))
-        replica.adapters[adapter.engine_name] = response.adapter.state or "registered"
-        log.info(
-            "adapter registered",
-            extra={"replica": replica.name, "adapter": adapter.engine_name, "state": response.adapter.state},
-        )
-
-    async def validate(self, adapters: Iterable[ResolvedAdapter]) -> None:
-        """Register `adapters` on one healthy replica, raising its refusal (e.g. `InvalidRequest` naming a
-        missing or malformed adapter) so a bad manifest is rejected before it is stored.
-
-        Without a healthy replica nothing can be checked; the versions load when replicas come up.
-        """
-        replica = next((r for r in self.replicas if r.takes_requests), None)
-        if replica is None:
-            return
-        for adapter in adapters:
-            await self.register(replica, adapter)
-
-    async def register_everywhere(
-        self, adapters: Iterable[ResolvedAdapter], *, refresh: Collection[Replica] = ()
-    ) -> None:
-        """Register each adapter version on every healthy replica; failures are logged, not raised (the next
-        polls try again). On the replicas in `refresh`, versions they know already are registered again too, so
-        that a changed `pin` or source reaches them (the engine takes a registration again in place)."""
-        wanted = list(adapters)
-        self._retiring.difference_update(a.engine_name for a in wanted)
-        self._wanted.update((a.engine_name, a) for a in wanted)
-        self._refused.difference_update((r.name, a.engine_name) for r in self.replicas for a in wanted)
-        jobs = [
-            self.register(r, a)
-            for r in self.replicas
-            if r.healthy
-            for a in wanted
-            if r in refresh or a.engine_name not in r.adapters
-        ]
-        for result in await asyncio.gather(*jobs, return_exceptions=True):
-            if isinstance(result, Exception):
-                log.warning("adapter registration failed: %s", result)
-
-    def wanted_names(self) -> set[str]:
-        """The adapter versions `register_everywhere` keeps registered on every healthy replica."""
-        return set(self._wanted)
-
-    def retire(self, engine_names: Iterable[str]) -> None:
-        """Unload these adapter versions from every replica once no request uses them there."""
-        for name in engine_names:
-            self._retiring.add(name)
-            self._wanted.pop(name, None)
-            for replica in self.replicas:
-                if name in replica.adapters and not replica.active.get(name):
-                    self._spawn(self._unload(replica, name))
-
-    def _end_active(self, replica: Replica, engine_name: str) -> None:
-        left = replica.active[engine_name] - 1
-        if left:
-            replica.active[engine_name] = left
-            return
-        del replica.active[engine_name]
-        if engine_name in self._retiring:
-            self._spawn(self._unload(replica, engine_name))
-
-    async def _unload(self, replica: Replica, engine_name: str) -> None:
-        if replica.active.get(engine_name) or engine_name not in self._retiring:
-            return
-        if engine_name in replica.loading or engine_name in replica.unloading:
-            return  # a request registers it again to run on it (and unloads it when done), or it is on its way out
-        replica.adapters.pop(engine_name, None)
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        replica.unloading[engine_name] = done
-        try:
-            await replica.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=engine_name), timeout=self.rpc_timeout_s)
-        except grpc.aio.AioRpcError as e:
-            log.warning("unload of %s on %s failed: %s", engine_name, replica.name, e.details())
-        finally:
-            del replica.unloading[engine_name]
-            done.set_result(None)
-
     def residency(self) -> dict[str, dict[str, object]]:
         """Per replica: address, health, load and the adapter versions it holds with their state."""
         return {r.name: r.residency() for r in self.replicas}
@@ -441,7 +328,7 @@ class EnginePool:
                 self._mark_unhealthy(replica, f"{e.code().name}: {e.details()}")
             return
         except asyncio.CancelledError:
-            if _channel_closed_under(replica, stub):
+            if channel_closed_under(replica, stub):
                 return  # `set_address` replaced the channel and polls the new one itself
             raise
         if replica.stub is not stub:  # the old process's answer, which says nothing about the new one
@@ -471,24 +358,7 @@ class EnginePool:
             self._notify()
         elif was_draining and not replica.draining:  # a new process at the same address: it takes requests again
             self._notify()
-        # Converge on what is wanted: a registration or an unload that failed (the replica unreachable, the
-        # engine busy) or an engine that forgot its adapters is not left as it is until some request trips on it.
-        for name, adapter in list(self._wanted.items()):
-            if (
-                name not in replica.adapters
-                and name not in replica.loading
-                and (replica.name, name) not in self._refused
-            ):
-                self._spawn(self._register_logged(replica, adapter))
-        for name in list(replica.adapters):
-            if name in self._retiring and not replica.active.get(name) and name not in replica.loading:
-                self._spawn(self._unload(replica, name))
-
-    async def _register_logged(self, replica: Replica, adapter: ResolvedAdapter) -> None:
-        try:
-            await self.register(replica, adapter)
-        except GatewayError as e:
-            log.warning("adapter registration failed: %s", e)
+        self.adapters.converge(replica)
 
     def _mark_unhealthy(self, replica: Replica, reason: str) -> None:
         replica.last_error = reason
@@ -510,10 +380,3 @@ class EnginePool:
         task: asyncio.Task[object] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-def _channel_closed_under(replica: Replica, stub: pb_grpc.EngineStub) -> bool:
-    """Whether a call on `stub` ended with CancelledError because `set_address` closed its channel (grpc.aio
-    cancels the calls of a closed channel that way), not because the awaiting task was cancelled."""
-    task = asyncio.current_task()
-    return replica.stub is not stub and task is not None and task.cancelling() == 0

@@ -85,3 +85,10 @@ class Replica:
             "prefix_cache_queries": self.stats.prefix_cache_queries,
             "prefix_cache_hits": self.stats.prefix_cache_hits,
         }
+
+
+def channel_closed_under(replica: Replica, stub: pb_grpc.EngineStub) -> bool:
+    """Whether a call on `stub` ended with CancelledError because the pool's `set_address` closed its channel
+    (grpc.aio cancels the calls of a closed channel that way), not because the awaiting task was cancelled."""
+    task = asyncio.current_task()
+    return replica.stub is not stub and task is not None and task.cancelling() == 0

@@ -279,7 +279,7 @@ async def test_retired_versions_unload_once_idle() -> None:
                 if "old" in engine.active:
                     break
                 await asyncio.sleep(0.005)
-            pool.retire(["pirate@v1"])
+            pool.adapters.retire(["pirate@v1"])
             await asyncio.sleep(0.05)
             assert "pirate@v1" in engine.adapters  # still in use
             events = await running
@@ -373,7 +373,7 @@ async def test_a_poll_answer_older_than_a_registration_does_not_undo_it() -> Non
             engine.hold = True
             polling = asyncio.create_task(pool.poll_once())
             await asyncio.wait_for(engine.asked.wait(), 5)
-            await pool.register(replica, _adapter())
+            await pool.adapters.register(replica, _adapter())
             engine.release.set()
             await polling
             assert "pirate@v1" in engine.adapters
@@ -385,11 +385,11 @@ async def test_a_poll_answer_older_than_an_unload_does_not_bring_it_back() -> No
     async with engine:
         async with EnginePool([f"127.0.0.1:{engine.port}"], poll_interval_s=60) as pool:
             replica = pool.replicas[0]
-            await pool.register(replica, _adapter())
+            await pool.adapters.register(replica, _adapter())
             engine.hold = True
             polling = asyncio.create_task(pool.poll_once())
             await asyncio.wait_for(engine.asked.wait(), 5)
-            pool.retire(["pirate@v1"])
+            pool.adapters.retire(["pirate@v1"])
             await until(lambda: "pirate@v1" not in engine.adapters)
             engine.release.set()
             await polling
