@@ -2,7 +2,7 @@
 cache on against off.
 
   python bench/prefix_caching.py [--system-tokens 600] [--requests 8] [--repeats 3] [--adapter pirate]
-  python bench/prefix_caching.py --device cuda --model FOLDER --adapter none   # a GPU, a model folder
+  python bench/prefix_caching.py --device cuda --model FOLDER --adapter none [--max-num-seqs 32]   # a GPU
 
 Shared system prompt: `--requests` requests, each the same system prompt with its own short question, sent
 one after another (each waits for the one before, as a tenant's steady traffic does), 8 tokens each. Next
@@ -73,16 +73,23 @@ def main() -> None:
     parser.add_argument("--adapter", default="pirate", help="demo adapter the requests use; 'none' for the base")
     parser.add_argument("--model", default="smollm2", help="EngineConfig.model (the demo adapters fit smollm2)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=4,
+        help="KV rows; on CUDA also the decode graph's rows, which a prompt's rest after its cached start runs as"
+        " when it fits (else eagerly)",
+    )
     args = parser.parse_args()
-    if args.system_tokens < 32 or args.requests < 2 or args.repeats < 1:
-        parser.error("needs --system-tokens >= 32, --requests >= 2 and --repeats >= 1")
+    if args.system_tokens < 32 or args.requests < 2 or args.repeats < 1 or args.max_num_seqs < 1:
+        parser.error("needs --system-tokens >= 32, --requests >= 2, --repeats >= 1 and --max-num-seqs >= 1")
     adapter = None if args.adapter == "none" else args.adapter
     engines = {
         name: LLMEngine(
             EngineConfig(
                 model=args.model,
                 device=args.device,
-                max_num_seqs=4,
+                max_num_seqs=args.max_num_seqs,
                 max_model_len=args.system_tokens + 256,
                 lora_slots=1,
                 max_lora_rank=16,

@@ -52,9 +52,10 @@ class EngineConfig:
     # kernels_attention.py) | torch (SDPA over keys gathered per step) | auto (triton on CUDA)
     attention_backend: str = "auto"
     # on: sample a step's tokens on the device and launch the next step before reading them, so the engine
-    # thread's work per step overlaps the GPU's. Measured on an H200 (bench/RESULTS-gpu.md): steps in a row
-    # 1-7% shorter, decode tokens/s 0.93-1.00x, hence off by default; a CPU engine gains nothing.
-    async_steps: str = "off"
+    # thread's work per step overlaps the GPU's | off | auto (on where decode steps replay CUDA graphs). On an
+    # H200 with graphs (bench/RESULTS-gpu.md, stop 23): decode tokens/s 1.15-1.28x sync steps; eager CUDA steps
+    # 0.73-1.01x, and a CPU engine has no device queue to keep fed, hence off for those.
+    async_steps: str = "auto"
     # on: CUDA decode steps fold the q/k/v, gate/up and down LoRA shrinks into the norm and SiLU kernels that
     # write their inputs (engine/kernels_shrink_fused.py): three launches a layer fewer. Measured on an H200
     # (bench/RESULTS-gpu.md): graphed steps 0.99-1.00x, eager ones 1.02-1.12x, hence off by default.
@@ -65,10 +66,18 @@ class EngineConfig:
     # SmolLM2 decode tokens/s 1.08-1.09x in graphs and 1.8x eager. Batches of several adapters, and
     # max_lora_rank above 64, keep the separate kernels.
     lora_gemm: str = "on"
+    # CUDA: rows the decode graphs hold beyond max_num_seqs for prompt tokens, each at its position in its
+    # prompt's KV row: the rest of a prompt after its cached start, a long prompt's later chunks, and the
+    # prompts fold_prompt_tokens folds. Such a chunk that fits the step's graph runs in it, else eagerly:
+    # a whole model's launches, which cost a small model as much for 26 tokens as for 626 (bench/RESULTS-gpu.md,
+    # stop 23). The graphs are captured for max(graph_prompt_rows, fold_prompt_tokens) extra rows; each graph
+    # keeps its own fp32 logits (rows x vocabulary), so more rows cost GPU memory as well as capture time.
+    graph_prompt_rows: int = 32
     # CUDA: a whole prompt of up to this many tokens that joins while other requests decode runs as rows of
-    # the step's decode graph (each row at its position in the prompt's KV row), so the step replays one graph
-    # that reads the weights once, instead of a prefill graph beside the decode graph; the decode graphs are
-    # captured for this many rows beyond max_num_seqs. 0: whole prompts always replay prefill graphs.
+    # the step's decode graph, so the step replays one graph that reads the weights once, instead of a prefill
+    # graph beside the decode graph. 0: whole prompts always replay prefill graphs. Measured on an H200
+    # (bench/RESULTS-gpu.md, stop 23): the joiners' TTFT 0.60-0.80x, others' p99 0.80-0.93x on a base batch
+    # but 1.09-1.14x on a batch of adapters (where it was within goal (d)), hence off by default.
     fold_prompt_tokens: int = 0
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
     # CUDA: the process's GIL switch interval while the engine serves (engine/interpreter.py); 0 keeps Python's
@@ -92,6 +101,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.adapter_loader_workers <= 64:
             raise ValueError(f"adapter_loader_workers must be within 0..64, got {self.adapter_loader_workers}")
+        if not 0 <= self.graph_prompt_rows <= 512:
+            raise ValueError(f"graph_prompt_rows must be within 0..512, got {self.graph_prompt_rows}")
         if not 0 <= self.fold_prompt_tokens <= 512:
             raise ValueError(f"fold_prompt_tokens must be within 0..512, got {self.fold_prompt_tokens}")
         if not 0 <= self.adapter_fills_ahead <= 64:
@@ -109,8 +120,8 @@ class EngineConfig:
             raise ValueError(f"adapter_eviction must be frequency or lru, got {self.adapter_eviction!r}")
         if self.prefix_caching not in ("on", "off"):
             raise ValueError(f"prefix_caching must be on or off, got {self.prefix_caching!r}")
-        if self.async_steps not in ("on", "off"):
-            raise ValueError(f"async_steps must be on or off, got {self.async_steps!r}")
+        if self.async_steps not in ("auto", "on", "off"):
+            raise ValueError(f"async_steps must be auto, on or off, got {self.async_steps!r}")
         if self.fold_lora_shrinks not in ("on", "off"):
             raise ValueError(f"fold_lora_shrinks must be on or off, got {self.fold_lora_shrinks!r}")
         if self.lora_gemm not in ("on", "off"):

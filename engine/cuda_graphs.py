@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.lora import LoRAStacks
 from engine.lora_batch import LoRABatch
@@ -53,6 +54,12 @@ def batch_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 8, up to and including `max_batch` (vLLM's spacing)."""
     sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8)) + [max_batch]
     return sorted(set(sizes))
+
+
+def decode_graph_rows(kv_rows: int, config: EngineConfig) -> int:
+    """The rows of the largest decode graph: one per KV row (every request decoding), plus the prompt tokens
+    that may run beside them (`EngineConfig.graph_prompt_rows`, `fold_prompt_tokens`)."""
+    return kv_rows + max(config.graph_prompt_rows, config.fold_prompt_tokens)
 
 
 def kv_len_buckets(max_len: int) -> list[int]:

@@ -21,7 +21,7 @@ from engine import interpreter, prompt_logprobs
 from engine.adapter_loader import make_loader
 from engine.adapters import AdapterError
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, PrefillGraphs
+from engine.cuda_graphs import DecodeGraphs, PrefillGraphs, decode_graph_rows
 from engine.errors import EngineError, prompt_too_long
 from engine.eviction import DecayedFrequencyPolicy, LRUPolicy
 from engine.kv_cache import KVCache, kv_slots
@@ -98,7 +98,7 @@ class LLMEngine:
         prefill_graphs: PrefillGraphs | None = None
         prefill_stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            rows = self.kv.total + config.fold_prompt_tokens  # room for prompts run as decode rows
+            rows = decode_graph_rows(self.kv.total, config)
             graphs = DecodeGraphs(self.model, self.kv, self.stacks, rows, torch.cuda.graph_pool_handle())
             graphs.capture_all()
             # Prefills replay on their own stream, concurrently with the decode graph: their own memory pool.
@@ -128,7 +128,7 @@ class LLMEngine:
         # seconds and (admitted, slot misses); each phase ends with a device sync while it is set.
         self.step_trace: list[tuple[tuple[float, ...], tuple[int, int]]] | None = None
         # Sample on the device, launch the next step, then read the tokens (`EngineConfig.async_steps`).
-        self.async_steps = config.async_steps == "on"
+        self.async_steps = config.async_steps == "on" or (config.async_steps == "auto" and graphs is not None)
         self.fills_ahead = config.adapter_fills_ahead
         self._inflight: InFlight | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)

@@ -67,10 +67,10 @@ def test_decode_attention_flag() -> None:
 
 def test_async_steps_flag() -> None:
     parser = build_parser()
-    assert config_from(parser.parse_args([])).async_steps == "off"
+    assert config_from(parser.parse_args([])).async_steps == "auto"
     assert config_from(parser.parse_args(["--async-steps", "on"])).async_steps == "on"
-    with pytest.raises(ValueError, match="async_steps must be on or off"):
-        config_from(parser.parse_args(["--async-steps", "auto"])).validate()
+    with pytest.raises(ValueError, match="async_steps must be auto, on or off"):
+        config_from(parser.parse_args(["--async-steps", "always"])).validate()
 
 
 def test_fold_lora_shrinks_flag() -> None:

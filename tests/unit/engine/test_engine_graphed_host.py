@@ -198,7 +198,14 @@ def drive(engine: LLMEngine, files: list[Path], script: dict[int, list[Event]]) 
 
 
 def new_engine(
-    model: Path, *, fused: bool, async_steps: str, lora_gemm: str, fills_ahead: int, fold_prompt_tokens: int = 0
+    model: Path,
+    *,
+    fused: bool,
+    async_steps: str,
+    lora_gemm: str,
+    fills_ahead: int,
+    fold_prompt_tokens: int = 0,
+    graph_prompt_rows: int = EngineConfig().graph_prompt_rows,
 ) -> LLMEngine:
     config = EngineConfig(
         model=str(model),
@@ -217,6 +224,7 @@ def new_engine(
         async_steps=async_steps,
         lora_gemm=lora_gemm,
         fold_prompt_tokens=fold_prompt_tokens,
+        graph_prompt_rows=graph_prompt_rows,
     )
     if not fused:
         return LLMEngine(config)
@@ -338,8 +346,8 @@ def gemm_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def graph(engine: LLMEngine, prefill_stream: HostStream) -> None:
     """Give `engine` the graphed forward it gets on CUDA (`LLMEngine.__init__`)."""
-    fold = engine.config.fold_prompt_tokens
-    decode = cuda_graphs.DecodeGraphs(engine.model, engine.kv, engine.stacks, engine.kv.total + fold, None)
+    rows = cuda_graphs.decode_graph_rows(engine.kv.total, engine.config)
+    decode = cuda_graphs.DecodeGraphs(engine.model, engine.kv, engine.stacks, rows, None)
     decode.capture_all()
     prefill = cuda_graphs.PrefillGraphs(engine.model, engine.kv, engine.stacks, None)
     prefill.capture_all()
@@ -351,7 +359,7 @@ def graph(engine: LLMEngine, prefill_stream: HostStream) -> None:
         decode,
         prefill,
         prefill_stream,
-        fold,  # type: ignore[arg-type]
+        engine.config.fold_prompt_tokens,  # type: ignore[arg-type]
     )
 
 
@@ -387,12 +395,24 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[bool, bool]]] = {
     "async-lora-gemm": (dict(async_steps="on", lora_gemm="on", fills_ahead=0), (True, True)),
     "async-decode-graphs-only": (dict(async_steps="on", lora_gemm="on", fills_ahead=2), (True, False)),
     "sync-prefill-graphs-only": (dict(async_steps="off", lora_gemm="off", fills_ahead=2), (False, True)),
-    # Prompts of up to 16 tokens joining while others decode run as decode rows (batch buckets up to 22).
+    # Decode graphs of MAX_SEQS rows: a prompt's rest longer than the rows left beside the decoding ones runs
+    # eagerly.
+    "sync-no-prompt-rows": (dict(async_steps="off", lora_gemm="off", fills_ahead=0, graph_prompt_rows=0), (True, True)),
+    # Prompts of up to 16 tokens joining while others decode run as decode rows.
     "sync-fold-prompts": (dict(async_steps="off", lora_gemm="off", fills_ahead=0, fold_prompt_tokens=16), (True, True)),
     "async-fold-prompts-lora-gemm": (
         dict(async_steps="on", lora_gemm="on", fills_ahead=2, fold_prompt_tokens=16),
         (True, True),
     ),
+}
+
+# The decode graphs' batch buckets the script replays: rests of prompts after their cached start (up to 16
+# tokens here) run in the graphs' prompt rows (`graph_prompt_rows`), and folded prompts beside decoding rows
+# reach the 24-row bucket.
+BUCKETS_USED = {variant: {1, 2, 4, 8, 16} for variant in VARIANTS} | {
+    "sync-no-prompt-rows": {1, 2, 4, 6},
+    "sync-fold-prompts": {1, 2, 4, 8, 16, 24},
+    "async-fold-prompts-lora-gemm": {1, 2, 4, 8, 16, 24},
 }
 
 
@@ -442,8 +462,7 @@ def test_graphed_steps_give_the_eager_engines_tokens(
     keys = collections.Counter(key for key in replays if isinstance(key, cuda_graphs.GraphKey))
     assert decode.replays == sum(keys.values())
     if decode_graphs:
-        buckets = {1, 2, 4, 6} if not options.get("fold_prompt_tokens") else {1, 2, 4, 8, 16, 22}
-        assert {k.batch for k in keys} == buckets and {k.kv_len for k in keys} == {256, MAX_LEN}
+        assert {k.batch for k in keys} == BUCKETS_USED[variant] and {k.kv_len for k in keys} == {256, MAX_LEN}
         kinds = {(False, False), (True, False)} | ({(True, True)} if options["lora_gemm"] == "on" else set())
         assert {(k.lora, k.single) for k in keys} == kinds
         assert bool(gemm_rows) == (options["lora_gemm"] == "on") and checked_plans

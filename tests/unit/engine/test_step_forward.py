@@ -10,6 +10,7 @@ from typing import cast
 import torch
 
 from engine import cuda_graphs
+from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.lora_batch import LoRABatch
 from engine.model import SeqSlice
@@ -48,11 +49,13 @@ def _eager(kv: KVCache, rows: list[tuple[Sequence, list[int], int]]) -> torch.Te
     return _model()(torch.tensor(ids), torch.tensor(positions), slices, kv, lora)
 
 
-def _graphed(kv: KVCache, fold_prompt_tokens: int = 0) -> StepForward:
-    """A forward with decode graphs over `kv`'s rows, plus `fold_prompt_tokens` rows for prompts (as the engine
-    captures them), and no prefill graphs."""
+def _graphed(kv: KVCache, fold_prompt_tokens: int = 0, graph_prompt_rows: int = 0) -> StepForward:
+    """A forward with decode graphs over `kv`'s rows plus rows for prompt tokens, sized as the engine sizes them
+    from these two options (the engine's default gives 32 prompt rows; these tests' prompts need few), and no
+    prefill graphs."""
     stacks = _stacks(fused=True)
-    graphs = cuda_graphs.DecodeGraphs(_model(), kv, stacks, kv.total + fold_prompt_tokens, None)
+    config = EngineConfig(fold_prompt_tokens=fold_prompt_tokens, graph_prompt_rows=graph_prompt_rows)
+    graphs = cuda_graphs.DecodeGraphs(_model(), kv, stacks, cuda_graphs.decode_graph_rows(kv.total, config), None)
     graphs.capture_all()
     return StepForward(_model(), kv, stacks, CPU, graphs, fold_prompt_tokens=fold_prompt_tokens)
 
@@ -130,6 +133,27 @@ def test_a_prompt_prefilled_in_chunks_beside_graphed_decoding_rows_ends_as_a_who
     b.output_ids = [7]
     order, logits = forward.logits([b], {}, None)
     torch.testing.assert_close(logits, _eager(eager_kv, [(b, [7], len(b.prompt_ids))]), rtol=1e-4, atol=1e-4)
+
+
+def test_a_prompt_rest_longer_than_the_free_kv_rows_runs_in_the_graphs_prompt_rows(replays: list[object]) -> None:
+    """`graph_prompt_rows`: a chunk past a prompt's start (a prefix-cache hit's rest) that the KV rows beside the
+    decoding ones could not hold still runs in the decode graph, not eagerly."""
+    graphed_kv, eager_kv = _caches()
+    forward = _graphed(graphed_kv, graph_prompt_rows=8)  # 4 KV rows + 8: batch buckets 1, 2, 4, 8, 12
+    a, b = _seq("a", [5, 6, 7], 0, 0), _seq("b", [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], 1, 1)
+    _eager(graphed_kv, [(a, a.prompt_ids, 0)])
+    a.output_ids, a.status = [9], SeqStatus.RUNNING
+    b.status, b.prefilled = SeqStatus.RUNNING, 4
+    forward.logits([a, b], {b: 4}, None)  # the prompt's start: eagerly (no prefill graphs here)
+    assert replays[-1] == cuda_graphs.GraphKey(1, 256, True, False) and forward.folded_rows == 0
+    a.output_ids.append(10)
+
+    b.prefilled = len(b.prompt_ids)
+    order, logits = forward.logits([a, b], {b: 7}, None)  # a's row and the rest's seven: 8 rows, past the 4 KV rows
+
+    assert order == [a, b] and replays[-1] == cuda_graphs.GraphKey(8, 256, True, False)
+    assert forward.folded_rows == 7
+    torch.testing.assert_close(logits[1:], _eager(eager_kv, [(b, b.prompt_ids, 0)]), rtol=1e-4, atol=1e-4)
 
 
 def test_a_chunk_of_a_prompt_asking_for_prompt_logprobs_stays_out_of_the_decode_graph(replays: list[object]) -> None:
