@@ -67,7 +67,7 @@ def _engine(
     fold_prompt_tokens: int = 0,
 ) -> LLMEngine:
     # Prefix caching off unless asked: these tests share prompts, and a cached start runs the rest of a prompt
-    # eagerly instead of in the prefill graph they test.
+    # in the decode graph (or eagerly) instead of in the prefill graph they test.
     config = EngineConfig(
         model=str(model_dir),
         device="cuda",
@@ -118,7 +118,8 @@ def _prompts(engine: LLMEngine, n: int) -> list[list[int]]:
 def test_graphs_are_captured_for_every_bucket(engines: tuple[LLMEngine, LLMEngine]) -> None:
     _, graphed = engines
     assert graphed.graphs is not None
-    assert graphed.graphs.batches == [1, 2, 4, 8] and graphed.graphs.kv_lens == [256, 320]
+    # 8 KV rows plus `graph_prompt_rows` (32) for prompt tokens run as decode rows.
+    assert graphed.graphs.batches == [1, 2, 4, 8, 16, 24, 32, 40] and graphed.graphs.kv_lens == [256, 320]
 
 
 def test_graph_decode_matches_eager_on_a_mixed_padded_batch(engines: tuple[LLMEngine, LLMEngine]) -> None:
