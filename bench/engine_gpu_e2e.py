@@ -655,7 +655,7 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
     ap.add_argument(
         "--async-steps",
-        default="off",
+        default="auto",
         help="async_steps of the engines section b compares, beside each attention backend",
     )
     ap.add_argument(
