@@ -70,8 +70,8 @@ class EngineConfig:
     # prompt's KV row: the rest of a prompt after its cached start, a long prompt's later chunks, and the
     # prompts fold_prompt_tokens folds. Such a chunk that fits the step's graph runs in it, else eagerly:
     # a whole model's launches, which cost a small model as much for 26 tokens as for 626 (bench/RESULTS-gpu.md,
-    # stop 23). The graphs are captured for max(graph_prompt_rows, fold_prompt_tokens) extra rows; each graph
-    # keeps its own fp32 logits (rows x vocabulary), so more rows cost GPU memory as well as capture time.
+    # stop 23). The graphs are captured for max(graph_prompt_rows, fold_prompt_tokens) extra rows: more batch
+    # buckets to capture at start-up (their logits share one buffer).
     graph_prompt_rows: int = 32
     # CUDA: a whole prompt of up to this many tokens that joins while other requests decode runs as rows of
     # the step's decode graph, so the step replays one graph that reads the weights once, instead of a prefill

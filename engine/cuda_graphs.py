@@ -119,6 +119,10 @@ class DecodeGraphs:
         self._plans = {b: plan_segments([-1] * b, self.device, block_m=1, num_chunks=b) for b in self.batches}
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._logits: dict[GraphKey, torch.Tensor] = {}
+        # Every graph writes its logits here: a graph's own output would stay allocated beside every other's
+        # (rows x vocabulary x 4 bytes each, hundreds of MiB over all the buckets). A step reads its logits
+        # before the next step's replay on the same stream, as it did with a graph's own output.
+        self._out = torch.empty(top, model.arch.vocab_size, dtype=torch.float32, device=self.device)
         self._pool = pool
         self.capture_stream = torch.cuda.Stream(self.device)  # this family's own: see `capture`
         self.replays = 0
@@ -147,7 +151,7 @@ class DecodeGraphs:
         lora = None
         if key.lora:
             lora = LoRABatch.static(self.stacks, self._token_slots[:b], self._plans[b], single=key.single)
-        return self.model.decode(self._inputs[0, :b], view, self.kv, lora)
+        return self.model.decode(self._inputs[0, :b], view, self.kv, lora, self._out[:b])
 
     def _capture(self, key: GraphKey) -> None:
         self._graphs[key], self._logits[key] = capture(lambda: self._forward(key), self._pool, self.capture_stream)

@@ -398,10 +398,18 @@ class DecoderModel(nn.Module):
         return self._logits(x.index_select(0, last))
 
     @torch.inference_mode()
-    def decode(self, input_ids: torch.Tensor, view: DecodeView, kv: KVCache, lora: LoRABatch | None) -> torch.Tensor:
+    def decode(
+        self,
+        input_ids: torch.Tensor,
+        view: DecodeView,
+        kv: KVCache,
+        lora: LoRABatch | None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits [B, vocab] for a step of one new token per sequence, described by device tensors only
-        (`DecodeView.of_buffers`): no host reads or uploads, so a CUDA graph can capture it."""
-        return self._logits(self._layers(input_ids, view.positions, [], kv, lora, view))
+        (`DecodeView.of_buffers`): no host reads or uploads, so a CUDA graph can capture it. Written into `out`
+        (fp32 [B, vocab]) when given."""
+        return self._logits(self._layers(input_ids, view.positions, [], kv, lora, view), out)
 
     @torch.inference_mode()
     def prefill(
@@ -428,6 +436,9 @@ class DecoderModel(nn.Module):
             x, pending = layer(x, pending, positions, cos, sin, seqs, kv, lora, view)
         return x if pending is None else x + pending
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(self.norm(hidden), head).float()
+        logits = F.linear(self.norm(hidden), head)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)  # the cast to fp32 and the write in one kernel

@@ -122,6 +122,8 @@ def test_graph_replays_match_eager_steps_across_buckets(replays: list[object]) -
     prefill = cuda_graphs.PrefillGraphs(model, graphed_kv, fused, None)
     decode.capture_all()
     prefill.capture_all()
+    # Every decode graph writes its logits into one buffer (none keeps an output of its own allocated).
+    assert {t.data_ptr() for t in decode._logits.values()} == {decode._out.data_ptr()}
     assert prefill.lengths == [16, 32, 64, 128, 256]
     rng = random.Random(0)
     seqs: list[list[int]] = []  # kv slot, LoRA slot, position, next input id
