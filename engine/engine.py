@@ -21,7 +21,7 @@ from engine import interpreter, prompt_logprobs
 from engine.adapter_loader import make_loader
 from engine.adapters import AdapterError
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, PrefillGraphs, decode_graph_rows
+from engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from engine.errors import EngineError, prompt_too_long
 from engine.eviction import DecayedFrequencyPolicy, LRUPolicy
 from engine.kv_cache import KVCache, kv_slots
@@ -94,27 +94,8 @@ class LLMEngine:
         self.pool.on_loaded.append(self._wake)
         self.prefix_cache = PrefixCache(self.kv, enabled=config.prefix_caching == "on")
         self.scheduler = Scheduler(self.kv, self.pool, config.max_num_batched_tokens, self.prefix_cache)
-        graphs: DecodeGraphs | None = None
-        prefill_graphs: PrefillGraphs | None = None
-        prefill_stream: torch.cuda.Stream | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
-            rows = decode_graph_rows(self.kv.total, config)
-            graphs = DecodeGraphs(self.model, self.kv, self.stacks, rows, torch.cuda.graph_pool_handle())
-            graphs.capture_all()
-            # Prefills replay on their own stream, concurrently with the decode graph: their own memory pool.
-            prefill_graphs = PrefillGraphs(self.model, self.kv, self.stacks, torch.cuda.graph_pool_handle())
-            prefill_graphs.capture_all()
-            prefill_stream = torch.cuda.Stream(self.device)
-        self.forward = StepForward(
-            self.model,
-            self.kv,
-            self.stacks,
-            self.device,
-            graphs,
-            prefill_graphs,
-            prefill_stream,
-            fold_prompt_tokens=config.fold_prompt_tokens,
-        )
+        graphed = self.device.type == "cuda" and not config.enforce_eager
+        self.forward = StepForward.build(self.model, self.kv, self.stacks, self.device, config, graphed=graphed)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stop = threading.Event()
@@ -128,7 +109,7 @@ class LLMEngine:
         # seconds and (admitted, slot misses); each phase ends with a device sync while it is set.
         self.step_trace: list[tuple[tuple[float, ...], tuple[int, int]]] | None = None
         # Sample on the device, launch the next step, then read the tokens (`EngineConfig.async_steps`).
-        self.async_steps = config.async_steps == "on" or (config.async_steps == "auto" and graphs is not None)
+        self.async_steps = config.async_steps == "on" or (config.async_steps == "auto" and graphed)
         self.fills_ahead = config.adapter_fills_ahead
         self._inflight: InFlight | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cuda_graphs import DecodeGraphs, PrefillGraphs
+from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, PrefillGraphs, decode_graph_rows
 from engine.kv_cache import KVCache
 from engine.logprobs import StepLogprobs
 from engine.lora import LoRAStacks
@@ -104,6 +105,29 @@ class StepForward:
         self.folded_prompts = 0  # of which whole prompts, from their start
         # The last step's rows that predict prompt tokens of the requests asking for prompt log-probabilities.
         self.prompt_rows: list[PromptRows] = []
+
+    @classmethod
+    def build(
+        cls,
+        model: DecoderModel,
+        kv: KVCache,
+        stacks: LoRAStacks,
+        device: torch.device,
+        config: EngineConfig,
+        *,
+        graphed: bool,
+    ) -> StepForward:
+        """The engine's forward: with `graphed` (CUDA), decode and prefill graphs captured for every bucket now,
+        and the stream prefill graphs replay on."""
+        if not graphed:
+            return cls(model, kv, stacks, device, fold_prompt_tokens=config.fold_prompt_tokens)
+        graphs = DecodeGraphs(model, kv, stacks, decode_graph_rows(kv.total, config), torch.cuda.graph_pool_handle())
+        graphs.capture_all()
+        # Prefills replay on their own stream, concurrently with the decode graph: their own memory pool.
+        prefill_graphs = PrefillGraphs(model, kv, stacks, torch.cuda.graph_pool_handle())
+        prefill_graphs.capture_all()
+        stream = torch.cuda.Stream(device)
+        return cls(model, kv, stacks, device, graphs, prefill_graphs, stream, config.fold_prompt_tokens)
 
     def logits(
         self,
