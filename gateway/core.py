@@ -40,11 +40,11 @@ from gateway.api import (
 )
 from gateway.asyncqueue import AsyncFairQueue, Ticket
 from gateway.engine_client import EnginePool
-from gateway.errors import GatewayError, PermissionDenied, Status, Unavailable
+from gateway.errors import GatewayError, PermissionDenied, Status
 from gateway.metrics import GatewayMetrics
 from gateway.queue import FairQueue, QueueLimits, TenantStats
 from gateway.registry import Registry, ResolvedAdapter
-from gateway.replica import Replica, ReplicaFailed
+from gateway.replica import Replica, ReplicaFailed, no_engine
 from gateway.tenancy import TenantDirectory
 from gateway.tokenize import detokenize, tokenize
 
@@ -53,8 +53,6 @@ access_log = logging.getLogger("adaptergate.access")
 _tracer = trace.get_tracer("adaptergate.gateway")
 # Rough characters per token, for the admission estimate before the engine has tokenized anything.
 _CHARS_PER_TOKEN = 4
-# Retry hint when no engine answers: long enough for a supervised restart to make progress.
-_NO_ENGINE_RETRY_S = 2.0
 
 
 class Gateway:
@@ -161,7 +159,7 @@ class Gateway:
                 # denial) gets its own refusal, not a 503 whose Retry-After invites the client to send it again.
                 resolved = await self._admit(request)
                 if not self.pool.healthy_count():
-                    raise _no_engine()
+                    raise no_engine()
                 engine_name = resolved.engine_name if resolved is not None else None
                 affinity = affinity_key(request, engine_name)
                 cost = self._cost(request)
@@ -209,7 +207,7 @@ class Gateway:
                         self.queue.release(ticket, 0)
                         ticket = None
                         if not self.pool.healthy_count():
-                            raise _no_engine() from None
+                            raise no_engine() from None
                         ticket = await self.queue.acquire(
                             queued_id,
                             tenant,
@@ -311,7 +309,7 @@ class Gateway:
             adapters = self.pool.adapters
             self._spawn(lambda: adapters.register_everywhere(self.registry.versions_in_use(), refresh=(replica,)))
         elif self.pool.healthy_count() == 0:
-            failed = self.queue.fail_waiting(_no_engine())
+            failed = self.queue.fail_waiting(no_engine())
             if failed:
                 log.warning("no engine replica takes requests: failed %d queued requests", failed)
 
@@ -334,10 +332,6 @@ class Gateway:
         task = asyncio.ensure_future(factory())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-def _no_engine() -> Unavailable:
-    return Unavailable("no engine replica is available", retry_after_s=_NO_ENGINE_RETRY_S)
 
 
 def _prompt_chars(request: GatewayRequest) -> int:

@@ -92,3 +92,12 @@ def channel_closed_under(replica: Replica, stub: pb_grpc.EngineStub) -> bool:
     (grpc.aio cancels the calls of a closed channel that way), not because the awaiting task was cancelled."""
     task = asyncio.current_task()
     return replica.stub is not stub and task is not None and task.cancelling() == 0
+
+
+# Retry hint when no engine answers: long enough for a supervised restart to make progress.
+_NO_ENGINE_RETRY_S = 2.0
+
+
+def no_engine() -> Unavailable:
+    """The error for a request no engine replica can take (none healthy and taking requests)."""
+    return Unavailable("no engine replica is available", retry_after_s=_NO_ENGINE_RETRY_S)

@@ -16,12 +16,10 @@ from engine import engine_pb2 as pb
 from engine import engine_pb2_grpc as pb_grpc
 from gateway.api import DetokenizeRequest, TokenizeRequest, Tokens
 from gateway.engine_client import EnginePool
-from gateway.errors import GatewayError, InvalidRequest, Unavailable
-from gateway.replica import ReplicaFailed
+from gateway.errors import GatewayError, InvalidRequest
+from gateway.replica import ReplicaFailed, no_engine
 
 _T = TypeVar("_T")
-# As the core's: long enough for a supervised restart to make progress.
-_NO_ENGINE_RETRY_S = 2.0
 
 
 async def tokenize(pool: EnginePool, request: TokenizeRequest) -> Tokens:
@@ -57,7 +55,7 @@ async def _on_any_replica(pool: EnginePool, call: Callable[[pb_grpc.EngineStub, 
     while True:
         ready = [r for r in pool.replicas if r.takes_requests and r.name not in tried]
         if not ready:
-            raise failed or Unavailable("no engine replica is available", retry_after_s=_NO_ENGINE_RETRY_S)
+            raise failed or no_engine()
         replica = min(ready, key=lambda r: r.load)
         try:
             return await call(replica.stub, pool.rpc_timeout_s)
