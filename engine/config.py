@@ -73,6 +73,11 @@ class EngineConfig:
     # stop 23). The graphs are captured for max(graph_prompt_rows, fold_prompt_tokens) extra rows: more batch
     # buckets to capture at start-up (their logits share one buffer).
     graph_prompt_rows: int = 32
+    # on: run a few requests through the step path before serving (engine/warm_up.py), so the first real ones
+    # pay no one-time costs (CUDA loads a kernel's module at its first launch: in a fresh process the first
+    # joins under async steps made 11-17 ms steps, bench/RESULTS-gpu.md, stop 24) | off | auto (on where
+    # decode steps replay CUDA graphs)
+    warm_up: str = "auto"
     # CUDA: a whole prompt of up to this many tokens that joins while other requests decode runs as rows of
     # the step's decode graph, so the step replays one graph that reads the weights once, instead of a prefill
     # graph beside the decode graph. 0: whole prompts always replay prefill graphs. Measured on an H200
@@ -122,6 +127,8 @@ class EngineConfig:
             raise ValueError(f"prefix_caching must be on or off, got {self.prefix_caching!r}")
         if self.async_steps not in ("auto", "on", "off"):
             raise ValueError(f"async_steps must be auto, on or off, got {self.async_steps!r}")
+        if self.warm_up not in ("auto", "on", "off"):
+            raise ValueError(f"warm_up must be auto, on or off, got {self.warm_up!r}")
         if self.fold_lora_shrinks not in ("on", "off"):
             raise ValueError(f"fold_lora_shrinks must be on or off, got {self.fold_lora_shrinks!r}")
         if self.lora_gemm not in ("on", "off"):

@@ -39,6 +39,7 @@ from engine.step_forward import InFlight, StepForward, StepTrace
 from engine.step_sampling import sample_step
 from engine.structured import StructuredOutputs
 from engine.tokenizer import IncrementalDecoder, Tokenizer
+from engine.warm_up import warm_up
 
 log = logging.getLogger("engine")
 
@@ -114,6 +115,8 @@ class LLMEngine:
         self._inflight: InFlight | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._settled = self.device.type == "cuda"  # only a GPU engine's step loop is Python-bound
+        if config.warm_up == "on" or (config.warm_up == "auto" and graphed):
+            warm_up(self)  # the first real requests should pay no one-time costs of the step path
         if self._settled:
             interpreter.settle_for_serving(config.gil_switch_interval_ms)
 
@@ -411,7 +414,7 @@ class LLMEngine:
         self.steps += 1
         self._fill_ahead()
         if self.async_steps and self.step_trace is None:  # a trace times each phase up to its own tokens
-            self._inflight = InFlight.launch(order, tokens, logprobs)
+            self._inflight = InFlight.launch(order, tokens, self.forward.readback, logprobs)
             if previous is not None:
                 self._complete(previous)
             return

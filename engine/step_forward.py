@@ -44,10 +44,12 @@ class InFlight:
     logprobs: StepLogprobs | None = None
 
     @staticmethod
-    def launch(order: list[Sequence], tokens: torch.Tensor, logprobs: StepLogprobs | None = None) -> InFlight:
+    def launch(
+        order: list[Sequence], tokens: torch.Tensor, readback: TokenReadback, logprobs: StepLogprobs | None = None
+    ) -> InFlight:
         if not tokens.is_cuda:
             return InFlight(order, tokens, tokens, None, logprobs)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host = readback.take(tokens.shape[0])
         host.copy_(tokens, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
@@ -62,6 +64,29 @@ class InFlight:
         if self.copied is not None:
             self.copied.synchronize()
         return list(self.host.tolist())
+
+
+class TokenReadback:
+    """Page-locked host buffers that the tokens of a step in flight are copied into, two taken in turn.
+
+    A step's buffer is read before the step after next launches (`LLMEngine.step` completes the step in
+    flight right after launching the next one), so two never overlap. Allocating page-locked memory per
+    step instead costs a `cudaHostAlloc` whenever a batch size is new to the process (the caching host
+    allocator keeps blocks by size), and that call serialises the device's streams.
+    """
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self._buffers = [torch.empty(rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._turn = 0
+
+    def take(self, rows: int) -> torch.Tensor:
+        """A host buffer of `rows` tokens, not the one handed out last."""
+        buffer = self._buffers[self._turn]
+        self._turn ^= 1
+        if rows > buffer.shape[0]:  # (a step has at most one row per KV row; kept safe all the same)
+            return torch.empty(rows, dtype=torch.long, pin_memory=buffer.is_pinned())
+        return buffer[:rows]
 
 
 class StepTrace:
@@ -105,6 +130,7 @@ class StepForward:
         self.folded_prompts = 0  # of which whole prompts, from their start
         # The last step's rows that predict prompt tokens of the requests asking for prompt log-probabilities.
         self.prompt_rows: list[PromptRows] = []
+        self.readback = TokenReadback(kv.total, device)  # where async steps' tokens come back to the host
 
     @classmethod
     def build(

@@ -470,7 +470,7 @@ def test_sampling_logprobs_and_inputs_of_a_step_in_flight_never_wait_for_the_gpu
     generators = [make_generator(p, cuda) for p in params]
     logits = make_logits(len(params)).to(cuda)
     seqs = [make_seq(p, [1, 2]) for p in params]
-    previous = InFlight.launch(seqs, torch.tensor([5, 6, 7, 8], device=cuda))
+    previous = InFlight.launch(seqs, torch.tensor([5, 6, 7, 8], device=cuda), graphed.forward.readback)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

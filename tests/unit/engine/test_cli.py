@@ -73,6 +73,14 @@ def test_async_steps_flag() -> None:
         config_from(parser.parse_args(["--async-steps", "always"])).validate()
 
 
+def test_warm_up_flag() -> None:
+    parser = build_parser()
+    assert config_from(parser.parse_args([])).warm_up == "auto"
+    assert config_from(parser.parse_args(["--warm-up", "off"])).warm_up == "off"
+    with pytest.raises(ValueError, match="warm_up must be auto, on or off"):
+        config_from(parser.parse_args(["--warm-up", "yes"])).validate()
+
+
 def test_fold_lora_shrinks_flag() -> None:
     parser = build_parser()
     assert config_from(parser.parse_args([])).fold_lora_shrinks == "off"

@@ -16,7 +16,7 @@ from engine.lora_batch import LoRABatch
 from engine.model import SeqSlice
 from engine.sampling import SamplingParams
 from engine.sequence import SeqStatus, Sequence
-from engine.step_forward import InFlight, StepForward
+from engine.step_forward import InFlight, StepForward, TokenReadback
 from engine.tokenizer import IncrementalDecoder
 from tests.unit.engine.test_graph_host import ARCH, CPU, _model, _stacks
 
@@ -77,7 +77,7 @@ def test_decoding_rows_replay_a_graph_and_new_prompts_follow_eagerly(replays: li
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
 
     # Next step with its tokens still in flight: inputs come from the device tensor, one position further.
-    flight = InFlight.launch(order, torch.tensor([21, 22, 23]))
+    flight = InFlight.launch(order, torch.tensor([21, 22, 23]), forward.readback)
     order, logits = forward.logits([a, b, c], {}, flight)
     assert order == [a, b, c] and replays[-1] == cuda_graphs.GraphKey(4, 256, True, False)
     want = _eager(eager_kv, [(a, [21], 6), (b, [22], 4), (c, [23], 4)])
@@ -91,7 +91,9 @@ def test_without_graphs_every_row_runs_eagerly_in_the_running_order(replays: lis
     for kv in (graphed_kv, eager_kv):
         _eager(kv, [(a, a.prompt_ids, 0)])
     a.output_ids, a.status = [9], SeqStatus.RUNNING
-    flight = InFlight.launch([b, a], torch.tensor([0, 30]))  # a's token is in flight; b was not running then
+    flight = InFlight.launch(
+        [b, a], torch.tensor([0, 30]), forward.readback
+    )  # a's token is in flight; b was not running then
 
     order, logits = forward.logits([b, a], {b: len(b.prompt_ids)}, flight)
 
@@ -196,3 +198,13 @@ def test_short_prompts_joining_decoding_rows_run_as_rows_of_the_decode_graph(rep
     c.output_ids, c.status = [8], SeqStatus.RUNNING
     order, logits = forward.logits([c], {}, None)
     torch.testing.assert_close(logits, _eager(eager_kv, [(c, [8], 4)]), rtol=1e-4, atol=1e-4)
+
+
+def test_token_readback_never_hands_out_the_buffer_of_the_step_before() -> None:
+    """A step's tokens come back into one buffer while the step before's are read from the other."""
+    readback = TokenReadback(4, CPU)
+    first, second, third = readback.take(3), readback.take(4), readback.take(2)
+    assert first.data_ptr() != second.data_ptr() and third.data_ptr() == first.data_ptr()
+    assert (len(first), len(second), len(third)) == (3, 4, 2)
+    wider = readback.take(9)  # more rows than KV rows: a buffer of its own
+    assert len(wider) == 9 and wider.data_ptr() not in (first.data_ptr(), second.data_ptr())
