@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.errors import EngineError
 from engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -39,12 +40,12 @@ def warm_up(engine: LLMEngine) -> int:
     steps_before = engine.steps
     try:
         for i in range(2):
-            engine.add_request(f"warm-up-{i}", prompt, _RUNNING, None, _ignore)
+            _add(engine, f"warm-up-{i}", prompt, _RUNNING)
         for _ in range(2):  # admit and prefill, then a step whose tokens stay in flight under async steps
             engine._drain_commands()
             engine.step()
         for i, params in enumerate(_JOINING):
-            engine.add_request(f"warm-up-join-{i}", prompt, params, None, _ignore)
+            _add(engine, f"warm-up-join-{i}", prompt, params)
         engine.run_until_idle()
     finally:
         cache.enabled = caching
@@ -52,6 +53,16 @@ def warm_up(engine: LLMEngine) -> int:
     engine.steps = engine.tokens_generated = 0
     engine.forward.folded_rows = engine.forward.folded_prompts = 0
     return steps
+
+
+def _add(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    """Add a warm-up request, unless the engine's limits refuse it (a `max_waiting` below the warm-up's
+    requests): a warm-up never keeps an engine from starting."""
+    try:
+        engine.add_request(request_id, prompt, params, None, _ignore)
+    except EngineError as exc:
+        if exc.code != "RESOURCE_EXHAUSTED":
+            raise
 
 
 def _ignore(_output: object) -> None:

@@ -117,3 +117,16 @@ def test_an_engine_set_to_warm_up_does_so_when_it_is_built(model: Path, monkeypa
             assert eng.stats().steps == 0
         finally:
             eng.stop()
+
+
+def test_a_warm_up_never_keeps_an_engine_from_starting(model: Path) -> None:
+    """Requests beyond `max_waiting` are left out of the warm-up, not raised."""
+    small = tiny_engine(model, "on", max_num_seqs=1, max_waiting=1, warm_up="on")
+    try:
+        assert small.stats().steps == 0 and small.stats().kv_slots_used == 0
+        outputs: list[RequestOutput] = []
+        small.add_request("r", PROMPT, SamplingParams(max_tokens=3), None, outputs.append)
+        small.run_until_idle()
+        assert outputs[-1].finish_reason == "length"
+    finally:
+        small.stop()
