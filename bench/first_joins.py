@@ -21,13 +21,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.engine_gpu_e2e import ALL7, PROMPT, p99
 from engine.sequence import RequestOutput
-
-PROMPT = "Tell me something about the ocean."
-
-
-def p99(values: list[float]) -> float:
-    return sorted(values)[max(0, int(len(values) * 0.99) - 1)]
 
 
 def child(model: str, adapters: list[str], device: str, warm_up: str) -> dict[str, float]:
@@ -119,9 +114,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="first-joins-"))
     model = write_random_llama(tmp / "model", args.tokenizer, args.layers)
     arch, _ = load_weights(resolve_model(str(model)))
-    modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     adapters = [
-        str(write_adapter(tmp / f"a{i}", arch=arch, rank=16, alpha=16, modules=modules, seed=100 + i)) for i in range(4)
+        str(write_adapter(tmp / f"a{i}", arch=arch, rank=16, alpha=16, modules=ALL7, seed=100 + i)) for i in range(4)
     ]
     results: dict[str, list[dict[str, float]]] = {"on": [], "off": []}
     for pair in range(args.pairs):

@@ -6,7 +6,7 @@ log-probabilities. CUDA loads a kernel's module when it is first launched (lazy 
 in a fresh process the first warm joins under async steps made steps of 11-17 ms where later ones took
 1-3 ms (`bench/RESULTS-gpu.md`, stop 24; a process started with `CUDA_MODULE_LOADING=EAGER` had none). The
 warm-up runs those paths once, before the engine takes requests, and leaves no trace: no KV row held, no
-prefix-cache entry, the counters at zero.
+prefix-cache entry, the counters as they were.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def warm_up(engine: LLMEngine) -> int:
     prompt = [i % engine.arch.vocab_size for i in range(1, _PROMPT_TOKENS + 1)]
     cache = engine.prefix_cache
     caching, cache.enabled = cache.enabled, False  # its rows would keep the warm-up's tokens
-    steps_before = engine.steps
+    counts = (engine.steps, engine.tokens_generated, engine.forward.folded_rows, engine.forward.folded_prompts)
     try:
         for i in range(2):
             _add(engine, f"warm-up-{i}", prompt, _RUNNING)
@@ -49,9 +49,8 @@ def warm_up(engine: LLMEngine) -> int:
         engine.run_until_idle()
     finally:
         cache.enabled = caching
-    steps = engine.steps - steps_before
-    engine.steps = engine.tokens_generated = 0
-    engine.forward.folded_rows = engine.forward.folded_prompts = 0
+    steps = engine.steps - counts[0]
+    engine.steps, engine.tokens_generated, engine.forward.folded_rows, engine.forward.folded_prompts = counts
     return steps
 
 
