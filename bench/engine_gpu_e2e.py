@@ -2,10 +2,12 @@
 others' inter-token latency during loads, 500 adapters on 64 slots under Zipf traffic, and hot swap.
 
   PYTHONPATH=. python3 bench/engine_gpu_e2e.py --tokenizer DIR [--layers 30] [--only abdeft]
+      [--shape smollm2|llama-7b] [--running 16]
 
-No weights can be downloaded on the GPU machine, so the base model is SmolLM2-135M-shaped with random
-weights (saved as a Hugging Face folder) and the tokenizer folder is passed in. Adapters are random PEFT
-files of the real shapes. Every figure is a ratio measured in this run; the summary comes last.
+No weights can be downloaded on the GPU machine, so the base model is SmolLM2-135M-shaped (or, with
+`--shape llama-7b`, Llama-7B-shaped: the goals' dimensions) with random weights (saved as a Hugging Face
+folder) and the tokenizer folder is passed in. Adapters are random PEFT files of the real shapes. Every
+figure is a ratio measured in this run; the summary comes last.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from engine.pool import AdapterState, AdapterVersion
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 from engine.tokenizer import Tokenizer
-from tests.support.random_model import write_random_llama
+from tests.support.random_model import SHAPES, write_random_llama
 from tests.unit.engine.tiny import write_adapter
 
 ALL7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -109,16 +111,21 @@ def ttft(engine: LLMEngine, rid: str, prompt: list[int], adapter: str | None) ->
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="e2e-"))
-        self.model = write_random_llama(self.tmp / "model", args.tokenizer, args.layers)
-        self.adapter_seed = 1000
         self.device: str = args.device
+        dtype = torch.bfloat16 if args.shape != "smollm2" else torch.float32  # (a float32 7B would be 27 GB)
+        self.model = write_random_llama(
+            self.tmp / "model", args.tokenizer, args.layers, dtype=dtype, device=self.device, **SHAPES[args.shape]
+        )
+        free_gpu_memory()  # the draws' blocks would otherwise shrink the KV cache the engines size from free memory
+        self.adapter_seed = 1000
+        self.running: int = args.running  # section d's other requests, decoding while adapters load and join
 
     def engine(self, device: str | None = None, dtype: str | None = None, **overrides: object) -> LLMEngine:
         settings: dict[str, object] = dict(
             model=str(self.model),
             device=device or self.device,
             dtype=dtype or ("bfloat16" if self.device == "cuda" else "float32"),
-            max_num_seqs=32,
+            max_num_seqs=max(32, self.running + 8),  # (d)'s joiners beside its running requests
             max_model_len=512,
             lora_slots=8,
             max_lora_rank=16,
@@ -136,8 +143,17 @@ class Bench:
             self.adapter_seed += 1
             folder = self.tmp / f"{prefix}{i}"
             paths.append(
-                write_adapter(folder, arch=engine.arch, rank=rank, alpha=rank, modules=modules, seed=self.adapter_seed)
+                write_adapter(
+                    folder,
+                    arch=engine.arch,
+                    rank=rank,
+                    alpha=rank,
+                    modules=modules,
+                    seed=self.adapter_seed,
+                    device=self.device,
+                )
             )
+        free_gpu_memory()
         return paths
 
 
@@ -282,21 +298,21 @@ def section_cold_start(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
 
 
 def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], cold_joins: bool = True) -> None:
-    """(d) inter-token latency of 16 running base requests: steady, while warm-adapter requests join, and
-    while cold-adapter requests join (their adapters load from disk meanwhile). Cold adapters are registered
-    as their requests arrive, once on the stepping thread itself and once on another thread, as the
-    server's gRPC handlers do: the first puts the registration's header check (milliseconds of Python) into
-    a gap of every running request, which a server's step loop never runs. Then again with the 16 running
-    requests on adapters, as a LoRA gateway's are: requests on those adapters join, and cold ones, the latter
-    with and without slot fills ahead (`EngineConfig.adapter_fills_ahead`). `cold_joins` False (section j):
-    the warm joins alone."""
+    """(d) inter-token latency of `b.running` running base requests (16 by default): steady, while
+    warm-adapter requests join, and while cold-adapter requests join (their adapters load from disk
+    meanwhile). Cold adapters are registered as their requests arrive, once on the stepping thread itself and
+    once on another thread, as the server's gRPC handlers do: the first puts the registration's header check
+    (milliseconds of Python) into a gap of every running request, which a server's step loop never runs. Then
+    again with the running requests on adapters, as a LoRA gateway's are: requests on those adapters join,
+    and cold ones, the latter with and without slot fills ahead (`EngineConfig.adapter_fills_ahead`).
+    `cold_joins` False (section j): the warm joins alone."""
     paths = b.adapters(eng, "x", 60)
     for i in range(12):
         eng.load_adapter(f"xw{i}", str(paths[i]), wait=True)
         ttft(eng, f"xwarm{i}", prompt, f"xw{i}")
 
     def gaps(arrivals: str, tag: str, first_path: int = 12, running_on: list[str] | None = None) -> list[float]:
-        """Others' gaps: 16 requests (base, or round-robin on the adapters `running_on`) while 12 requests
+        """Others' gaps: `b.running` requests (base, or round-robin on the adapters `running_on`) while 12 requests
         join one every 4 steps (`arrivals`: none, warm, cold, cold-elsewhere, or running: on the running
         requests' own adapters)."""
         last: dict[str, float] = {}
@@ -333,7 +349,7 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], col
 
         if TRACE:
             gc.callbacks.append(on_gc)
-        for i in range(16):
+        for i in range(b.running):
             rid = f"bg{tag}{i}"
             own = running_on[i % len(running_on)] if running_on else None
             eng.add_request(rid, prompt, SamplingParams(max_tokens=80, ignore_eos=True), own, sink(rid))
@@ -403,11 +419,12 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], col
         running_lora = gaps("running", "rl", running_on=on_adapters)
         admin.shutdown()
         report_loader(
-            f"(d) others' p99 inter-token latency, 16 base requests: steady {p99(steady) * 1e3:.2f} ms, while 12 "
-            f"warm-adapter requests join {p99(warm) * 1e3:.2f} ms ({p99(warm) / p99(steady):.2f}x); their TTFT p50 "
-            f"{p50(joiner_ttft['w']) * 1e3:.2f} ms. On 4 adapters: steady {p99(steady_lora) * 1e3:.2f} ms, joins on "
-            f"them {p99(running_lora) * 1e3:.2f} ms ({p99(running_lora) / p99(steady_lora):.2f}x); their TTFT p50 "
-            f"{p50(joiner_ttft['rl']) * 1e3:.2f} ms. Prompts run as decode rows: {eng.forward.folded_prompts - folded}"
+            f"(d) others' p99 inter-token latency, {b.running} base requests: steady {p99(steady) * 1e3:.2f} ms, "
+            f"while 12 warm-adapter requests join {p99(warm) * 1e3:.2f} ms ({p99(warm) / p99(steady):.2f}x); "
+            f"their TTFT p50 {p50(joiner_ttft['w']) * 1e3:.2f} ms. On 4 adapters: steady "
+            f"{p99(steady_lora) * 1e3:.2f} ms, joins on them {p99(running_lora) * 1e3:.2f} ms "
+            f"({p99(running_lora) / p99(steady_lora):.2f}x); their TTFT p50 {p50(joiner_ttft['rl']) * 1e3:.2f} ms. "
+            f"Prompts run as decode rows: {eng.forward.folded_prompts - folded}"
         )
         return
     if TRACE:
@@ -417,8 +434,9 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], col
         print_trace(eng, "cold joins")
         print(f"  [cold joins] register (validate + submit) on the caller's thread: max {max(register_s) * 1e3:.1f} ms")
     report_loader(
-        f"(d) others' inter-token latency p99: steady {p99(steady) * 1e3:.2f} ms; while 12 warm-adapter requests "
-        f"join {p99(warm) * 1e3:.2f} ms ({p99(warm) / p99(steady):.2f}x steady); while 12 cold-adapter requests "
+        f"(d) others' inter-token latency p99, {b.running} base requests: steady {p99(steady) * 1e3:.2f} ms; "
+        f"while 12 warm-adapter requests join {p99(warm) * 1e3:.2f} ms ({p99(warm) / p99(steady):.2f}x steady); "
+        f"while 12 cold-adapter requests "
         f"join and load {p99(cold) * 1e3:.2f} ms ({p99(cold) / p99(steady):.2f}x steady, "
         f"{p99(cold) / p99(warm):.2f}x the warm joins: the loads' own share)"
     )
@@ -455,8 +473,8 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], col
         if served != [1] * 12:
             raise AssertionError(f"(d) the cold joins registered on another thread did not all run: {served}")
     report_loader(
-        f"(d) with the 16 running requests on 4 adapters: others' p99 steady {p99(steady_lora) * 1e3:.2f} ms; while 12 "
-        f"requests on those adapters join {p99(running_lora) * 1e3:.2f} ms "
+        f"(d) with the {b.running} running requests on 4 adapters: others' p99 steady "
+        f"{p99(steady_lora) * 1e3:.2f} ms; while 12 requests on those adapters join {p99(running_lora) * 1e3:.2f} ms "
         f"({p99(running_lora) / p99(steady_lora):.2f}x steady; their TTFT p50 {p50(joiner_ttft['rl']) * 1e3:.2f} ms); "
         f"while 12 cold-adapter requests join and load, registered on another thread, {p99(cold_lora) * 1e3:.2f} ms "
         f"({p99(cold_lora) / p99(steady_lora):.2f}x steady)"
@@ -623,6 +641,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokenizer", type=Path, required=True)
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="the random base model's dimensions")
+    ap.add_argument("--running", type=int, default=16, help="section d's running requests (the goals: 64)")
     ap.add_argument(
         "--only",
         default="abdef",
@@ -677,7 +697,7 @@ def main() -> None:
     global TRACE, LOADER
     TRACE = args.trace
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"device: {name}, torch {torch.__version__}", flush=True)
+    print(f"device: {name}, torch {torch.__version__}, {args.shape} x {args.layers} layers", flush=True)
     b = Bench(args)
     if "a" in args.only and args.device == "cuda":
         section_agreement(b)

@@ -6,11 +6,25 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 from safetensors.torch import save_file
 
-SMOLLM2_SHAPE = dict(hidden=576, inter=1536, heads=9, kv_heads=3, vocab=49152)
+# Shapes a GPU benchmark can ask for (`write_random_llama(..., **SHAPES[name])`). Llama-7B's keeps SmolLM2's
+# vocabulary, so the tokenizer folder passed in fits it; its own is 32000 words, which changes only the LM head.
+class ModelShape(TypedDict):
+    hidden: int
+    inter: int
+    heads: int
+    kv_heads: int
+    vocab: int
+
+
+SHAPES: dict[str, ModelShape] = {
+    "smollm2": ModelShape(hidden=576, inter=1536, heads=9, kv_heads=3, vocab=49152),
+    "llama-7b": ModelShape(hidden=4096, inter=11008, heads=32, kv_heads=32, vocab=49152),
+}
 
 
 def write_random_llama(
@@ -24,14 +38,22 @@ def write_random_llama(
     kv_heads: int = 3,
     vocab: int = 49152,
     seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
 ) -> Path:
-    """A SmolLM2-135M-shaped model by default (tied embeddings), weights scaled to keep activations sane."""
+    """A SmolLM2-135M-shaped model by default (tied embeddings), weights scaled to keep activations sane and
+    saved as `dtype` (bfloat16 halves a large shape's file: Llama-7B's is 13 GB so). `device` draws the
+    random numbers (a CPU draws Llama-7B's in minutes, a GPU in well under a second)."""
     head_dim = hidden // heads
     kv = kv_heads * head_dim
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device).manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device)
+
     state = {
-        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen) * 0.05,
-        "model.norm.weight": torch.ones(hidden),
+        "model.embed_tokens.weight": (randn(vocab, hidden) * 0.05).to(dtype).cpu(),
+        "model.norm.weight": torch.ones(hidden, dtype=dtype),
     }
     shapes = {
         "self_attn.q_proj": (hidden, hidden),
@@ -44,10 +66,10 @@ def write_random_llama(
     }
     for layer in range(layers):
         p = f"model.layers.{layer}."
-        state[p + "input_layernorm.weight"] = torch.ones(hidden)
-        state[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
-        for name, shape in shapes.items():
-            state[p + name + ".weight"] = torch.randn(*shape, generator=gen) / shape[1] ** 0.5
+        state[p + "input_layernorm.weight"] = torch.ones(hidden, dtype=dtype)
+        state[p + "post_attention_layernorm.weight"] = torch.ones(hidden, dtype=dtype)
+        for name, shape in shapes.items():  # cast one at a time: a large shape's float32 copy need not fit
+            state[p + name + ".weight"] = (randn(*shape) / shape[1] ** 0.5).to(dtype).cpu()
     config = dict(
         model_type="llama",
         vocab_size=vocab,

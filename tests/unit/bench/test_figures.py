@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -66,3 +67,26 @@ def test_llama_7b_bandwidth_bound_at_kv_512() -> None:
     bound = engine_gpu.bandwidth_bound(base, 64 * one)
     assert 0.85 < bound < 0.87
     assert engine_gpu.bandwidth_bound(base, one) > 0.997
+
+
+def test_random_model_saves_the_asked_dtype_and_llama_7b_has_the_goals_dims(tmp_path: Path) -> None:
+    """Goal figures are at Llama-7B's dimensions; a 7B model is written as bfloat16 (27 GB in float32)."""
+    from safetensors import safe_open
+
+    from tests.support.random_model import SHAPES, write_random_llama
+
+    seven = SHAPES["llama-7b"]
+    assert (seven["hidden"], seven["inter"], seven["hidden"] // seven["heads"], seven["kv_heads"]) == (
+        4096,
+        11008,
+        128,
+        32,
+    )
+    words = tmp_path / "tok"
+    words.mkdir()
+    (words / "tokenizer.json").write_text("{}")
+    folder = write_random_llama(
+        tmp_path / "m", words, 1, hidden=8, inter=16, heads=2, kv_heads=1, vocab=4, dtype=torch.bfloat16
+    )
+    with safe_open(str(folder / "model.safetensors"), "pt") as weights:
+        assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.bfloat16}

@@ -36,10 +36,12 @@ def write_adapter(
     seed: int = 0,
     config_overrides: dict[str, object] | None = None,
     shape_override: dict[str, list[int]] | None = None,
+    device: str = "cpu",
 ) -> Path:
-    """A PEFT-format adapter (adapter_config.json + adapter_model.safetensors) with random A and B."""
+    """A PEFT-format adapter (adapter_config.json + adapter_model.safetensors) with random A and B, drawn on
+    `device` (a GPU draws a large model's adapters far faster than a CPU)."""
     folder.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device).manual_seed(seed)
     shapes = arch.projection_shapes()
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(arch.num_layers):
@@ -48,8 +50,8 @@ def write_adapter(
             group = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{group}.{module}"
             a_shape = (shape_override or {}).get("A", [rank, fan_in])
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(*a_shape, generator=gen) * 0.1
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.1
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(*a_shape, generator=gen, device=device) * 0.1).cpu()
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=gen, device=device) * 0.1).cpu()
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     config: dict[str, object] = {
         "peft_type": "LORA",
