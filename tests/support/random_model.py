@@ -11,6 +11,7 @@ from typing import TypedDict
 import torch
 from safetensors.torch import save_file
 
+
 # Shapes a GPU benchmark can ask for (`write_random_llama(..., **SHAPES[name])`). Llama-7B's keeps SmolLM2's
 # vocabulary, so the tokenizer folder passed in fits it; its own is 32000 words, which changes only the LM head.
 class ModelShape(TypedDict):
