@@ -108,6 +108,24 @@ def ttft(engine: LLMEngine, rid: str, prompt: list[int], adapter: str | None) ->
     return first[0] - start
 
 
+def engine_config(model: Path, device: str, **overrides: object) -> EngineConfig:
+    """The engine the GPU benchmarks measure (bf16 on CUDA, float32 elsewhere); `overrides` replace any
+    setting."""
+    settings: dict[str, object] = dict(
+        model=str(model),
+        device=device,
+        dtype="bfloat16" if device == "cuda" else "float32",
+        max_num_seqs=32,
+        max_model_len=512,
+        lora_slots=8,
+        max_lora_rank=16,
+        # The benchmarks time prefills and loads with prompts they repeat: off, as in the figures of record.
+        prefix_caching="off",
+    )
+    settings.update(overrides)
+    return EngineConfig(**settings)  # type: ignore[arg-type]
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="e2e-"))
@@ -121,19 +139,12 @@ class Bench:
         self.running: int = args.running  # section d's other requests, decoding while adapters load and join
 
     def engine(self, device: str | None = None, dtype: str | None = None, **overrides: object) -> LLMEngine:
-        settings: dict[str, object] = dict(
-            model=str(self.model),
-            device=device or self.device,
-            dtype=dtype or ("bfloat16" if self.device == "cuda" else "float32"),
-            max_num_seqs=max(32, self.running + 8),  # (d)'s joiners beside its running requests
-            max_model_len=512,
-            lora_slots=8,
-            max_lora_rank=16,
-            # The sections time prefills and loads with prompts they repeat: off, as in the figures of record.
-            prefix_caching="off",
-        )
+        # Room for (d)'s joiners beside its running requests.
+        settings: dict[str, object] = dict(max_num_seqs=max(32, self.running + 8))
+        if dtype is not None:
+            settings["dtype"] = dtype
         settings.update(overrides)
-        return LLMEngine(EngineConfig(**settings))  # type: ignore[arg-type]
+        return LLMEngine(engine_config(self.model, device or self.device, **settings))
 
     def adapters(
         self, engine: LLMEngine, prefix: str, count: int, rank: int = 16, modules: tuple[str, ...] = ALL7

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.engine_gpu_e2e import ALL7, PROMPT, p99
+from bench.engine_gpu_e2e import ALL7, PROMPT, engine_config, p99
 from engine.sequence import RequestOutput
 
 
@@ -29,24 +29,11 @@ def child(model: str, adapters: list[str], device: str, warm_up: str) -> dict[st
     """One fresh engine's steady and first-join figures (seconds)."""
     import torch
 
-    from engine.config import EngineConfig
     from engine.engine import LLMEngine
     from engine.sampling import SamplingParams
 
     started = time.perf_counter()
-    eng = LLMEngine(
-        EngineConfig(
-            model=model,
-            device=device,
-            dtype="bfloat16" if device == "cuda" else "float32",
-            max_num_seqs=32,
-            max_model_len=512,
-            lora_slots=8,
-            max_lora_rank=16,
-            prefix_caching="off",
-            warm_up=warm_up,
-        )
-    )
+    eng = LLMEngine(engine_config(Path(model), device, warm_up=warm_up))
     start_s = time.perf_counter() - started
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     prompt = eng.tokenizer.encode_chat([("user", PROMPT)])

@@ -91,9 +91,8 @@ def test_without_graphs_every_row_runs_eagerly_in_the_running_order(replays: lis
     for kv in (graphed_kv, eager_kv):
         _eager(kv, [(a, a.prompt_ids, 0)])
     a.output_ids, a.status = [9], SeqStatus.RUNNING
-    flight = InFlight.launch(
-        [b, a], torch.tensor([0, 30]), forward.readback
-    )  # a's token is in flight; b was not running then
+    # a's token is in flight; b was not running then
+    flight = InFlight.launch([b, a], torch.tensor([0, 30]), forward.readback)
 
     order, logits = forward.logits([b, a], {b: len(b.prompt_ids)}, flight)
 
