@@ -680,8 +680,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--fold-prompt-tokens",
-        default="0",
-        help="fold_prompt_tokens of the engines sections d, j, t and f compare (short joins as decode rows)",
+        default=str(EngineConfig.__dataclass_fields__["fold_prompt_tokens"].default),
+        help="fold_prompt_tokens of the engines sections d, j, t and f compare (short joins as decode rows; "
+        "default: the engine's)",
     )
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
     ap.add_argument(

@@ -80,10 +80,13 @@ class EngineConfig:
     warm_up: str = "auto"
     # CUDA: a whole prompt of up to this many tokens that joins while other requests decode runs as rows of
     # the step's decode graph, so the step replays one graph that reads the weights once, instead of a prefill
-    # graph beside the decode graph. 0: whole prompts always replay prefill graphs. Measured on an H200
-    # (bench/RESULTS-gpu.md, stop 23): the joiners' TTFT 0.60-0.80x, others' p99 0.80-0.93x on a base batch
-    # but 1.09-1.14x on a batch of adapters (where it was within goal (d)), hence off by default.
-    fold_prompt_tokens: int = 0
+    # graph beside the decode graph (vLLM V1 batches prompts with decodes likewise). 0: whole prompts always
+    # replay prefill graphs. At the goals' dimensions (Llama-7B x 16 layers, bf16, 64 running requests; one
+    # H100, bench/RESULTS-gpu.md, stop 26) folding up to 64 made the running requests' p99 inter-token latency
+    # while warm requests join 1.29x steady against 1.79x on a base batch, 1.02x against 1.51x on a batch of
+    # adapters, and the joiners' TTFT 0.71-0.76x. (On a SmolLM2-sized model, whose steps are launch-bound, it
+    # cost a batch of adapters 1.06-1.29x against 0.98-1.00x: stop 23.)
+    fold_prompt_tokens: int = 64
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
     # CUDA: the process's GIL switch interval while the engine serves (engine/interpreter.py); 0 keeps Python's
     # (5 ms). Shorter intervals were measured in bench/RESULTS-gpu.md and did not help reliably.

@@ -6,6 +6,7 @@ folder, with the converted SmolLM2 tokenizer taken from $ADAPTERGATE_TOKENIZER o
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,7 +65,7 @@ def _engine(
     dtype: str = "float32",
     lora_gemm: str = "on",
     prefix_caching: str = "off",
-    fold_prompt_tokens: int = 0,
+    fold_prompt_tokens: int | None = None,
 ) -> LLMEngine:
     # Prefix caching off unless asked: these tests share prompts, and a cached start runs the rest of a prompt
     # in the decode graph (or eagerly) instead of in the prefill graph they test.
@@ -80,8 +81,9 @@ def _engine(
         enforce_eager=eager,
         lora_gemm=lora_gemm,
         prefix_caching=prefix_caching,
-        fold_prompt_tokens=fold_prompt_tokens,
     )
+    if fold_prompt_tokens is not None:  # else the engine's default
+        config = dataclasses.replace(config, fold_prompt_tokens=fold_prompt_tokens)
     return LLMEngine(config)
 
 
