@@ -120,8 +120,10 @@ def _prompts(engine: LLMEngine, n: int) -> list[list[int]]:
 def test_graphs_are_captured_for_every_bucket(engines: tuple[LLMEngine, LLMEngine]) -> None:
     _, graphed = engines
     assert graphed.graphs is not None
-    # 8 KV rows plus `graph_prompt_rows` (32) for prompt tokens run as decode rows.
-    assert graphed.graphs.batches == [1, 2, 4, 8, 16, 24, 32, 40] and graphed.graphs.kv_lens == [256, 320]
+    # 8 KV rows plus the rows for prompt tokens run as decode rows: max(graph_prompt_rows 32, fold_prompt_tokens
+    # 64 by default), so 72.
+    assert graphed.graphs.batches == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72]
+    assert graphed.graphs.kv_lens == [256, 320]
 
 
 def test_graph_decode_matches_eager_on_a_mixed_padded_batch(engines: tuple[LLMEngine, LLMEngine]) -> None:
