@@ -68,6 +68,24 @@ class PinnedArena:
             self._reclaim()
             return sum(count for _, count in self._free)
 
+    def fits(self, numel: int, dtype: torch.dtype) -> bool:
+        """Whether `take(numel, dtype)` would find an extent now. Extents given back with a stream count once
+        the copies queued on it before have run (waited for here: a fill takes about a millisecond)."""
+        count = max(1, -(-numel * dtype.itemsize // self.page_bytes))
+        with self._lock:
+            self._reclaim()
+            if not any(available >= count for _, available in self._free) and self._pending:
+                for event, _ in self._pending:
+                    if event is not None:
+                        event.synchronize()
+                self._reclaim()
+            return any(available >= count for _, available in self._free)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is an extent the arena handed out and has not had back."""
+        with self._lock:
+            return tensor.data_ptr() in self._taken
+
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """A 1-D `dtype` tensor of `numel` elements in the arena, or None when no extent is large enough."""
         nbytes = numel * dtype.itemsize

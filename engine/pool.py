@@ -29,7 +29,7 @@ from engine.adapter_loader import AdapterLoader, ThreadLoader
 from engine.adapters import AdapterError, AdapterSpec
 from engine.config import ModelArch
 from engine.eviction import DecayedFrequencyPolicy, EvictionPolicy
-from engine.lora import AdapterWeights, LoRAStacks
+from engine.lora import AdapterWeights, LoRAStacks, image_groups
 from engine.pinned_arena import PinnedArena
 
 
@@ -107,7 +107,7 @@ class AdapterPool:
     ) -> None:
         """`arena`: where the loader puts host images (if anywhere); the pool gives them back when it drops
         an adapter from host memory."""
-        self._arch, self._stacks, self._arena = arch, stacks, arena
+        self._arch, self._stacks, self._arena, self._dtype = arch, stacks, arena, dtype
         # Every slot holds up to max_rank whatever the adapter's rank, so slots are sized 1 for the policy.
         self._eviction: EvictionPolicy = eviction if eviction is not None else DecayedFrequencyPolicy()
         self._host_capacity = host_capacity
@@ -308,6 +308,7 @@ class AdapterPool:
 
     def _start_load(self, version: AdapterVersion) -> None:
         self.loads_started += 1
+        self._make_arena_room(version.spec)
         version.error = None
         version.settled.clear()
         try:
@@ -421,6 +422,36 @@ class AdapterPool:
             if v is not keep and v.slot is None and not v.pinned and v.active == 0:
                 self._discard_weights(v)
                 excess -= 1
+
+    def _make_arena_room(self, spec: AdapterSpec) -> None:
+        # A load whose image finds no room in the shared arena goes to a new pinned allocation: a cudaHostAlloc,
+        # which holds up the device's streams for milliseconds. At Llama-7B dims (38 MiB images) a 1 GiB arena
+        # holds 26, fewer than the host tier's 64, and the benchmark's first engine, whose cold joins loaded
+        # adapters 27 onwards, measured others' p99 10-12x steady during them, where a second engine in the same
+        # process, whose fallbacks torch's pinned cache already held, measured 2.1x (one H100,
+        # bench/RESULTS-gpu.md, stop 26). So the arena also bounds the host tier in bytes: idle host copies in it
+        # make room first, least recently used first, as `_trim_host` would drop them.
+        arena, layout = self._arena, self._stacks.layout
+        if arena is None or layout is None:
+            return
+        numel = layout.image_size(image_groups(spec.modules), spec.rank)
+        if arena.fits(numel, self._dtype):
+            return
+        idle = [
+            v
+            for v in self._by_name.values()
+            if v.weights is not None
+            and v.weights.packed is not None
+            and arena.holds(v.weights.packed)
+            and v.slot is None
+            and not v.pinned
+            and not v.wanted
+            and v.active == 0
+        ]
+        for v in sorted(idle, key=lambda v: v.last_used):
+            self._discard_weights(v)
+            if arena.fits(numel, self._dtype):
+                return
 
     def _retire(self, version: AdapterVersion) -> None:
         version.retired = True

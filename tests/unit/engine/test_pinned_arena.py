@@ -148,3 +148,15 @@ def test_a_shared_arena_is_one_segment_that_attached_views_write_into() -> None:
     name = arena.name
     arena.close()
     assert not Path("/dev/shm", name).exists()
+
+
+def test_fits_answers_what_take_would_find_and_holds_only_extents_out(make_arena: Callable[[int], PinnedArena]) -> None:
+    arena = make_arena(4)
+    first = arena.take(2 * PAGE // 4, torch.float32)  # 2 pages
+    assert first is not None and arena.holds(first)
+    assert arena.fits(2 * PAGE // 4, torch.float32) and not arena.fits(3 * PAGE // 4, torch.float32)
+    assert not arena.holds(torch.zeros(4))
+    arena.give_back(first)
+    assert not arena.holds(first)
+    assert arena.fits(4 * PAGE // 4, torch.float32)  # given back and merged with its free neighbour
+    assert arena.take(4 * PAGE // 4, torch.float32) is not None

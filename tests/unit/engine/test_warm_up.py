@@ -1,6 +1,5 @@
 """The start-up warm-up (`engine/warm_up.py`) on a tiny random model on the CPU: it runs joins beside a step in
-flight, sampled rows and log-probabilities, a cold adapter's load and slot fill, and leaves nothing behind that
-a request or the stats could see.
+flight, sampled rows and log-probabilities, and leaves nothing behind that a request or the stats could see.
 
 Whether it removes the first joins' stall of a fresh process is a GPU figure (`bench/RESULTS-gpu.md`)."""
 
@@ -17,7 +16,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
-from engine.warm_up import ADAPTER, warm_up
+from engine.warm_up import warm_up
 from tests.support.random_model import write_tiny_llama
 from tests.unit.engine.test_engine_logprobs import tiny_engine
 
@@ -61,34 +60,6 @@ def test_the_warm_up_joins_requests_beside_running_ones_and_samples(
     assert any(p.logprobs for p in params)
 
 
-def test_the_warm_up_loads_an_adapter_and_decodes_on_it_beside_a_base_request(
-    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    registered: list[str] = []
-    register = engine.pool.register
-
-    def recorded_register(name: str, *args: Any, **kwargs: Any) -> Any:
-        registered.append(name)
-        return register(name, *args, **kwargs)
-
-    monkeypatch.setattr(engine.pool, "register", recorded_register)
-    mixed: list[bool] = []  # per step: whether base rows and adapter rows ran together
-    logits = engine.forward.logits
-
-    def recorded(running: list[Any], prefills: dict[Any, int], previous: Any, trace: Any = None) -> Any:
-        order, out = logits(running, prefills, previous, trace)
-        slots = {s.lora_slot for s in order}
-        mixed.append(-1 in slots and len(slots) > 1)
-        return order, out
-
-    monkeypatch.setattr(engine.forward, "logits", recorded)
-
-    warm_up(engine)
-
-    assert registered == [ADAPTER]
-    assert any(mixed)
-
-
 def test_the_warm_up_leaves_no_trace(engine: LLMEngine) -> None:
     assert warm_up(engine) > 0
 
@@ -97,25 +68,6 @@ def test_the_warm_up_leaves_no_trace(engine: LLMEngine) -> None:
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (0, 0)
     assert engine.prefix_cache.enabled and engine.prefix_cache.cached_rows() == 0
     assert not engine._live and engine._inflight is None
-    cache = stats.adapter_cache
-    assert (cache.slot_hits, cache.slot_misses, cache.evictions, cache.loads, cache.fills_ahead) == (0,) * 5
-    assert engine.pool.versions() == [] and engine.pool.lookup(ADAPTER) is None
-    assert all(v is None for v in engine.pool._slots)  # the zero adapter's slot is free again
-
-
-def test_a_failed_adapter_warm_up_is_logged_and_the_engine_still_serves(
-    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    def no_room(*_args: object) -> None:
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr("engine.warm_up.write_zero_adapter", no_room)
-
-    assert warm_up(engine) > 0
-
-    assert "adapter path was not warmed up" in caplog.text and "No space left" in caplog.text
-    assert engine.stats().adapter_cache.loads == 0
-    assert _tokens(engine, SamplingParams(max_tokens=3))
 
 
 def _tokens(engine: LLMEngine, params: SamplingParams) -> list[int]:
