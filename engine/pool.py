@@ -428,9 +428,9 @@ class AdapterPool:
         # which holds up the device's streams for milliseconds. At Llama-7B dims (38 MiB images) a 1 GiB arena
         # holds 26, fewer than the host tier's 64, and the benchmark's first engine, whose cold joins loaded
         # adapters 27 onwards, measured others' p99 10-12x steady during them, where a second engine in the same
-        # process, whose fallbacks torch's pinned cache already held, measured 2.1x (one H100,
-        # bench/RESULTS-gpu.md, stop 26). So the arena also bounds the host tier in bytes: idle host copies in it
-        # make room first, least recently used first, as `_trim_host` would drop them.
+        # process, whose fallbacks torch's pinned cache already held, measured 2.1x. So the arena also bounds the
+        # host tier in bytes: idle host copies in it make room first, least recently used first, as `_trim_host`
+        # would drop them. A first engine then measured 1.57x (one H100, bench/RESULTS-gpu.md, stop 26).
         arena, layout = self._arena, self._stacks.layout
         if arena is None or layout is None:
             return

@@ -11,7 +11,7 @@ prefix-cache entry, the counters as they were.
 A cold adapter's way in (its load, the slot fill beside a step in flight) is not warmed up: in fresh
 processes the first cold joins made no slow step without it (slowest 1.5 ms; `bench/first_joins.py --joins
 cold`, one H100, stop 26), and a zero adapter taken through it at start-up left the first engine's cold
-joins at Llama-7B dims as slow as before (their stalls point to a full pinned arena instead:
+joins at Llama-7B dims as slow as before (their stalls came from a full pinned arena instead:
 `AdapterPool._make_arena_room`).
 """
 
