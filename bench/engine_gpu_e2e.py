@@ -680,7 +680,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--fold-prompt-tokens",
-        default=str(EngineConfig.__dataclass_fields__["fold_prompt_tokens"].default),
+        default=str(EngineConfig().fold_prompt_tokens),
         help="fold_prompt_tokens of the engines sections d, j, t and f compare (short joins as decode rows; "
         "default: the engine's)",
     )

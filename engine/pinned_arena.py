@@ -71,15 +71,15 @@ class PinnedArena:
     def fits(self, numel: int, dtype: torch.dtype) -> bool:
         """Whether `take(numel, dtype)` would find an extent now. Extents given back with a stream count once
         the copies queued on it before have run (waited for here: a fill takes about a millisecond)."""
-        count = max(1, -(-numel * dtype.itemsize // self.page_bytes))
+        count = self._pages(numel * dtype.itemsize)
         with self._lock:
             self._reclaim()
-            if not any(available >= count for _, available in self._free) and self._pending:
+            if not self._has_extent(count) and self._pending:
                 for event, _ in self._pending:
                     if event is not None:
                         event.synchronize()
                 self._reclaim()
-            return any(available >= count for _, available in self._free)
+            return self._has_extent(count)
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is an extent the arena handed out and has not had back."""
@@ -89,7 +89,7 @@ class PinnedArena:
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """A 1-D `dtype` tensor of `numel` elements in the arena, or None when no extent is large enough."""
         nbytes = numel * dtype.itemsize
-        count = max(1, -(-nbytes // self.page_bytes))
+        count = self._pages(nbytes)
         with self._lock:
             self._reclaim()
             for i, (first, available) in enumerate(self._free):
@@ -119,6 +119,13 @@ class PinnedArena:
                 event.record(stream)
             self._pending.append((event, extent))
             return True
+
+    def _pages(self, nbytes: int) -> int:
+        return max(1, -(-nbytes // self.page_bytes))
+
+    def _has_extent(self, pages: int) -> bool:
+        # Lock held.
+        return any(available >= pages for _, available in self._free)
 
     def _reclaim(self) -> None:
         # Lock held: extents whose copies have run go back to the free list, merged with their neighbours.

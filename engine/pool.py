@@ -419,9 +419,14 @@ class AdapterPool:
         for v in sorted(in_host, key=lambda v: (v.wanted, v.last_used)):
             if excess <= 0:
                 break
-            if v is not keep and v.slot is None and not v.pinned and v.active == 0:
+            if v is not keep and self._droppable_host_copy(v):
                 self._discard_weights(v)
                 excess -= 1
+
+    @staticmethod
+    def _droppable_host_copy(v: AdapterVersion) -> bool:
+        """Whether `v`'s host copy may go: not in a slot, not pinned, no request running on it."""
+        return v.weights is not None and v.slot is None and not v.pinned and v.active == 0
 
     def _make_arena_room(self, spec: AdapterSpec) -> None:
         # A load whose image finds no room in the shared arena goes to a new pinned allocation: a cudaHostAlloc,
@@ -440,13 +445,11 @@ class AdapterPool:
         idle = [
             v
             for v in self._by_name.values()
-            if v.weights is not None
+            if self._droppable_host_copy(v)
+            and not v.wanted
+            and v.weights is not None
             and v.weights.packed is not None
             and arena.holds(v.weights.packed)
-            and v.slot is None
-            and not v.pinned
-            and not v.wanted
-            and v.active == 0
         ]
         for v in sorted(idle, key=lambda v: v.last_used):
             self._discard_weights(v)
