@@ -51,6 +51,9 @@ _MIN_SPLIT_K = 512
 _MAX_STAGES = 5
 _NUM_WARPS = 4
 _MAX_SPLIT_TILES = 4096
+# The largest row tile (`row_tile`). A module setting so that benches can capture an engine's graphs with
+# tiles of 64, as before, beside one with 128 (bench/engine_gpu_e2e.py --lora-gemm-row-tile).
+MAX_BLOCK_M = 128
 
 
 def reference_gemm_lora(
@@ -248,6 +251,16 @@ def tiling(slice_sizes: Sequence[int], total: int, k_dim: int) -> tuple[int, int
     return None if narrow is None else (narrow, 1)
 
 
+def row_tile(num_tokens: int) -> tuple[int, int]:
+    """(BLOCK_M, warps) for `num_tokens` rows: every row in one tile up to 128, so that each column tile's weight
+    is streamed by one program. A decode batch of 64 plus a joining request's rows (65-128: a LoRA row beside
+    64 base rows, or a prompt folded into the decode graph) in two tiles of 64 doubled the programs, and the
+    GEMM ran in two waves. Tiles of 128 rows take 8 warps: the fp32 accumulator of 128 x 128 would need 128
+    registers a thread at 4."""
+    block_m = max(16, min(MAX_BLOCK_M, triton.next_power_of_2(num_tokens)))
+    return block_m, _NUM_WARPS if block_m <= 64 else 2 * _NUM_WARPS
+
+
 def _arrivals(device: torch.device) -> torch.Tensor:
     """The split-K arrival counts for launches on the current stream, all zero between launches (each tile's
     last arrival resets its own). Kept per stream: launches on one stream, or replays of graphs captured on one
@@ -296,13 +309,15 @@ def gemm_lora(
     *,
     slice_sizes: Sequence[int],
     split_k: int | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """`x @ w.T + bias` plus every row's LoRA delta (module docstring), as a new tensor.
 
     At most one slot may appear among `token_slots` (besides -1): the caller guarantees it (a tile's rows would
     otherwise all take its largest slot's adapter). `b_stack` is the `[S, N, R]` view of rank-major storage, as
     `kernels_expand.expand` takes it. Raises ValueError where the shapes do not fit (`fits` False: use the
-    separate kernels). `split_k` overrides the splits of K that `tiling` picks (tests, probes).
+    separate kernels). `split_k` overrides the splits of K that `tiling` picks and `block_m` the row tile
+    that `row_tile` picks (tests, benches).
     """
     num_tokens, k_dim = x.shape
     n_dim = w.shape[0]
@@ -323,7 +338,13 @@ def gemm_lora(
         block_n, split = (_dividing(sizes)[0] if split_k > 1 else block_n_for(sizes, n_dim) or block_n), split_k
     out = torch.empty(num_tokens, n_dim, dtype=x.dtype, device=x.device)
     starts = [sum(sizes[:i]) for i in range(1, len(sizes))] + [n_dim] * (MAX_SLICES - len(sizes))
-    block_m = max(16, min(64, triton.next_power_of_2(num_tokens)))
+    tile_m, num_warps = row_tile(num_tokens)
+    if block_m is None:
+        block_m = tile_m
+    elif block_m not in (16, 32, 64, 128):
+        raise ValueError(f"block_m {block_m}: 16, 32, 64 or 128")
+    else:
+        num_warps = row_tile(block_m)[1]
     interpret = bool(triton.knobs.runtime.interpret)
     block_r = max(RANK_BLOCK.value, triton.next_power_of_2(r_slice))
     grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(n_dim, block_n), split)
@@ -372,7 +393,7 @@ def gemm_lora(
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         UPCAST=interpret,
         GDC=pdl,
-        num_warps=_NUM_WARPS,
+        num_warps=num_warps,
         num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )

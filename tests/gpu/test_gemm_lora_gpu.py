@@ -1,6 +1,7 @@
 """The compiled LoRA-inside-the-GEMM kernel (`engine.kernels_gemm_lora`) on a CUDA GPU against its torch reference,
 at Llama-7B and SmolLM2 projection shapes, decode batch 64 in bf16, one adapter of rank 8, 16 or 64 (a rank-64
-stack) beside base rows."""
+stack) beside base rows; also 72 and 128 rows (a decode batch of 64 with a joiner's rows: one tile of 128
+rows on 8 warps)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("slot", [0, 1, 2], ids=["rank-16", "rank-8", "rank-64"])
-def test_gemm_lora_matches_torch(shape: str, slot: int) -> None:
+@pytest.mark.parametrize("rows", [64, 72, 128])
+def test_gemm_lora_matches_torch(shape: str, slot: int, rows: int) -> None:
     k, sizes = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(0)
     n, r = sum(sizes), max(RANKS)
@@ -36,12 +38,12 @@ def test_gemm_lora_matches_torch(shape: str, slot: int) -> None:
     def rand(*dims: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*dims, device="cuda", generator=gen) * scale).to(torch.bfloat16)
 
-    x, w = rand(64, k), rand(n, k, scale=k**-0.5)
+    x, w = rand(rows, k), rand(n, k, scale=k**-0.5)
     a_stack = rand(len(RANKS), len(sizes) * r, k, scale=k**-0.5)
     b_stack = rand(len(RANKS), r, n, scale=0.5).transpose(1, 2)
     ranks = torch.tensor(RANKS, dtype=torch.int32, device="cuda")
     scalings = torch.tensor([0.5, 2.0, 1.0, 1.0], device="cuda")
-    slots = torch.tensor([-1 if t % 5 == 0 else slot for t in range(64)], dtype=torch.int32, device="cuda")
+    slots = torch.tensor([-1 if t % 5 == 0 else slot for t in range(rows)], dtype=torch.int32, device="cuda")
     args = (x, w, None, a_stack, b_stack, ranks, scalings)
     got = gemm_lora(*args, slots, slice_sizes=sizes)
     want = reference_gemm_lora(*args, slots, slice_sizes=sizes)

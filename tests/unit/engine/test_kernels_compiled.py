@@ -82,7 +82,7 @@ def assert_fit(launches: list[CompiledLaunch], *kernels: str) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("rank", RANKS)
 @pytest.mark.parametrize("group", PROJECTION_GROUPS)
-@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("tokens", [1, 64, 72, 128])  # 72 and 128: a decode batch of 64 with a joiner's rows
 def test_lora_gemm(launches: list[CompiledLaunch], arch: str, rank: int, group: str, tokens: int) -> None:
     fan_in, sizes = group_shape(ARCHS[arch], group)
     if not kernels_gemm_lora.fits(sizes, rank):
@@ -169,13 +169,15 @@ def test_one_launch_lora(launches: list[CompiledLaunch], rank: int) -> None:
 
 
 @pytest.mark.parametrize("rank", RANKS)
-def test_lora_gemm_keeps_its_registers(launches: list[CompiledLaunch], rank: int) -> None:
-    """The one-adapter GEMM of a Llama-7B decode step (its hot path: 164-210 registers a thread) spills none
-    to local memory, which would put memory traffic inside the loop that streams the weights."""
+@pytest.mark.parametrize("tokens", [64, 128])
+def test_lora_gemm_keeps_its_registers(launches: list[CompiledLaunch], rank: int, tokens: int) -> None:
+    """The one-adapter GEMM of a Llama-7B decode step (its hot path: 144-210 registers a thread) spills none
+    to local memory, which would put memory traffic inside the loop that streams the weights; nor does its
+    tile of 128 rows (8 warps)."""
     fan_in, sizes = group_shape(ARCHS["llama7b"], "qkv")
     a, b = stacks(len(sizes), rank, fan_in, sum(sizes))
     ranks, scalings = slot_table()
-    x, w, slots = empty(64, fan_in), empty(sum(sizes), fan_in), empty(64, dtype=torch.int32)
+    x, w, slots = empty(tokens, fan_in), empty(sum(sizes), fan_in), empty(tokens, dtype=torch.int32)
     kernels_gemm_lora.gemm_lora(x, w, None, a, b, ranks, scalings, slots, slice_sizes=sizes)
     (launch,) = launches
     registers, spilled = launch.registers()

@@ -71,6 +71,21 @@ def test_tiling_splits_k_where_wide_tiles_are_too_few() -> None:
     assert tiling([576], 576, 1536) == (16, 1) and tiling([40, 8], 48, 64) is None
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_rows_past_a_decode_batch_of_64_take_one_row_tile() -> None:
+    """65-128 rows (64 decode rows and a joiner's) in one tile of 128 on 8 warps, not two tiles of 64: each column
+    tile's weight is then streamed once. Past 128, tiles of 128."""
+    from engine.kernels_gemm_lora import gemm_lora, row_tile
+
+    assert row_tile(1) == (16, 4) and row_tile(64) == (64, 4)
+    assert row_tile(65) == row_tile(72) == row_tile(128) == (128, 8) and row_tile(300) == (128, 8)
+    ops = operands(4, 64, [32, 16], 16, torch.float32, bias=False)
+    slots = torch.zeros(4, dtype=torch.int32)
+    args = (ops["x"], ops["w"], None, ops["a_stack"], ops["b_stack"], ops["ranks"], ops["scalings"], slots)
+    with pytest.raises(ValueError, match="block_m 48"):
+        gemm_lora(*args, slice_sizes=[32, 16], block_m=48)  # type: ignore[arg-type]
+
+
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="compiled launch shapes (parent process); needs triton")
 def test_pipeline_fits_the_gpus_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """K tile and stages from the shared memory each resident program gets: a pipeline sized for an H200 does not
@@ -110,13 +125,33 @@ class TestInterpreted:
     def test_matches_torch(
         self, dtype: torch.dtype, rows: int, k: int, sizes: list[int], r_stack: int, bias: bool, slot: int
     ) -> None:
+        self.check(dtype, rows, k, sizes, r_stack, bias, slot, None)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+    @pytest.mark.parametrize("block_m", [64, 128])
+    def test_rows_past_one_tile_of_64(self, dtype: torch.dtype, block_m: int) -> None:
+        """72 rows (a decode graph bucket past 64) in two tiles of 64, or in one of 128 on 8 warps (`row_tile`'s
+        choice), with a masked row tail either way."""
+        self.check(dtype, 72, 96, [32, 32], 16, True, 0, block_m)
+
+    @staticmethod
+    def check(
+        dtype: torch.dtype,
+        rows: int,
+        k: int,
+        sizes: list[int],
+        r_stack: int,
+        bias: bool,
+        slot: int,
+        block_m: int | None,
+    ) -> None:
         from engine.kernels_gemm_lora import gemm_lora, reference_gemm_lora
 
         ops = operands(rows, k, sizes, r_stack, dtype, bias)
         # One adapter, with base rows among its rows (and, past `rows`, padding in the last row tile).
         slots = torch.tensor([-1 if t % 3 == 1 else slot for t in range(rows)], dtype=torch.int32)
         args = (ops["x"], ops["w"], ops["bias"], ops["a_stack"], ops["b_stack"], ops["ranks"], ops["scalings"], slots)
-        got = gemm_lora(*args, slice_sizes=sizes)  # type: ignore[arg-type]
+        got = gemm_lora(*args, slice_sizes=sizes, block_m=block_m)  # type: ignore[arg-type]
         want = reference_gemm_lora(*args, slice_sizes=sizes)  # type: ignore[arg-type]
         assert rel_err(got, want) < TOLERANCE[dtype]
         plain = reference_gemm_lora(*args[:7], torch.full_like(slots, -1), slice_sizes=sizes)  # type: ignore[arg-type]

@@ -1,0 +1,110 @@
+"""The one-adapter LoRA GEMM (`engine/kernels_gemm_lora.py`) just past a decode batch of 64 rows: a request on an
+adapter joining 64 base requests makes a step of 65 rows (graph bucket 72), and its prompt folded into the decode
+graph one of up to 128. Run on a CUDA machine: `PYTHONPATH=. python3 bench/gemm_lora_rows.py`.
+
+Per row count, side by side in one run, the four projection groups of `--layers` Llama-7B layers (distinct
+weights per layer, so that L2 holds none of them between launches), each in one CUDA graph:
+- cuBLAS `F.linear`, no LoRA (what a base step runs);
+- the LoRA GEMM with rows in tiles of 64 (its row tile before `row_tile`);
+- the LoRA GEMM with `row_tile`'s tile (one tile of 128 rows past 64).
+Prints us per layer and the ratios: each LoRA GEMM over cuBLAS, and the new row tile over tiles of 64. Every
+launch's output is checked against the torch reference first. Times: medians of `triton.testing.do_bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from engine_gpu import capture, median_us  # a sibling script
+
+from engine.kernels_gemm_lora import gemm_lora, reference_gemm_lora, row_tile
+
+DEV = torch.device("cuda")
+DTYPE = torch.bfloat16
+RANK = 16
+GROUPS = {  # Llama-7B: (input width, slices)
+    "qkv": (4096, [4096, 4096, 4096]),
+    "o": (4096, [4096]),
+    "gate_up": (4096, [11008, 11008]),
+    "down": (11008, [4096]),
+}
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+class Layer:
+    """One layer's weights and rank-16 LoRA stacks (slot 0 holds the adapter) for every group."""
+
+    def __init__(self, gen: torch.Generator) -> None:
+        self.w: dict[str, torch.Tensor] = {}
+        self.a: dict[str, torch.Tensor] = {}
+        self.b: dict[str, torch.Tensor] = {}
+        for group, (k, sizes) in GROUPS.items():
+            n = sum(sizes)
+            self.w[group] = (torch.randn(n, k, device=DEV, generator=gen) * k**-0.5).to(DTYPE)
+            a = torch.randn(2, len(sizes) * RANK, k, device=DEV, generator=gen) * k**-0.5
+            self.a[group] = a.to(DTYPE)
+            self.b[group] = (torch.randn(2, RANK, n, device=DEV, generator=gen) * 0.5).to(DTYPE).transpose(1, 2)
+
+
+def measure(rows: int, layers: list[Layer], gen: torch.Generator) -> str:
+    """Check, then time, the three variants at `rows` rows; the summary line."""
+    ranks = torch.tensor([RANK, 0], dtype=torch.int32, device=DEV)
+    scalings = torch.tensor([1.0, 1.0], device=DEV)
+    x = {g: torch.randn(rows, k, device=DEV, generator=gen).to(DTYPE) for g, (k, _) in GROUPS.items()}
+    # 64 base rows and the joiner's rows on the adapter (at 64 rows: 8 of them), as in goal (d)'s joins.
+    joiner = max(8, rows - 64)
+    slots = torch.tensor([0 if t >= rows - joiner else -1 for t in range(rows)], dtype=torch.int32, device=DEV)
+
+    def lora(block_m: int | None, layer: Layer, group: str) -> torch.Tensor:
+        operands = (x[group], layer.w[group], None, layer.a[group], layer.b[group], ranks, scalings, slots)
+        return gemm_lora(*operands, slice_sizes=GROUPS[group][1], block_m=block_m)
+
+    for block_m in (64, None):
+        for group in GROUPS:
+            got = lora(block_m, layers[0], group)
+            operands = (x[group], layers[0].w[group], None, layers[0].a[group], layers[0].b[group], ranks, scalings)
+            err = rel_err(got, reference_gemm_lora(*operands, slots, slice_sizes=GROUPS[group][1]))
+            if err > 1e-2:
+                raise AssertionError(f"{rows} rows, block_m {block_m}, {group}: rel err {err:.2e}")
+
+    def all_layers(fn: Callable[[Layer, str], torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+        return lambda: [fn(layer, group) for layer in layers for group in GROUPS]
+
+    variants = [
+        all_layers(lambda layer, group: F.linear(x[group], layer.w[group])),
+        all_layers(lambda layer, group: lora(64, layer, group)),
+        all_layers(lambda layer, group: lora(None, layer, group)),
+    ]
+    base, tiles64, tiled = (median_us(capture(fn)[0].replay, quick=False) / len(layers) for fn in variants)
+    return (
+        f"{rows:3d} rows: cuBLAS {base:.1f} us per layer; LoRA GEMM tiles of 64 {tiles64:.1f} "
+        f"(x{tiles64 / base:.3f} cuBLAS), row_tile {row_tile(rows)[0]} {tiled:.1f} (x{tiled / base:.3f} cuBLAS); "
+        f"row_tile / tiles of 64 x{tiled / tiles64:.3f}"
+    )
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--layers", type=int, default=8, help="layers per graph (distinct weights)")
+    parser.add_argument("--rows", default="64,72,96,128", help="row counts (decode graph buckets)")
+    args = parser.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    layers = [Layer(gen) for _ in range(args.layers)]
+    summary = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        summary.append(measure(rows, layers, gen))
+        print(summary[-1], flush=True)
+    print("\n== summary (four projection groups of a Llama-7B layer, one rank-16 adapter, bf16, graphs) ==")
+    print("\n".join(summary))
+
+
+if __name__ == "__main__":
+    main()
