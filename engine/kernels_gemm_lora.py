@@ -17,11 +17,11 @@ it). Each program computes h for its rows itself, in the same pass over K that s
 a few rows beside the tile), and adds h @ B for its columns before it stores: no other launch.
 
 Layout: one program per (tile of BLOCK_M rows, tile of BLOCK_N columns, split of K), BLOCK_N dividing every
-slice so a tile lies in one slice (`tiling`), BLOCK_M up to 128 rows (`row_tile`). With PDL (Hopper) the slots, ranks, scalings, B tile and bias are
-read before waiting for the kernel before this one. Where K is split, each program adds its split's share of
-both `x @ W^T` and `h @ B` (h computed over that split's K only: the delta is linear in it), and the last of a
-tile's programs to arrive sums the fp32 partials in split order and stores (`_arrivals`). The torch
-definition: `reference_gemm_lora`.
+slice so a tile lies in one slice (`tiling`), BLOCK_M up to 128 rows (`row_tile`). With PDL (Hopper) the
+slots, ranks, scalings, B tile and bias are read before waiting for the kernel before this one. Where K is
+split, each program adds its split's share of both `x @ W^T` and `h @ B` (h computed over that split's K
+only: the delta is linear in it), and the last of a tile's programs to arrive sums the fp32 partials in split
+order and stores (`_arrivals`). The torch definition: `reference_gemm_lora`.
 
 Batches of several adapters keep the separate kernels. Both versions that took h from the shrink kernel and
 added B in the GEMM's epilogue were slower (bench/RESULTS-gpu.md): each row's own B gathered in 16 loads one
