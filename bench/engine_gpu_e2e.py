@@ -43,7 +43,7 @@ ALL7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pr
 PROMPT = "Tell me something about the ocean."
 SUMMARY: list[str] = []
 LOADER = "thread"  # the adapter loader (and GIL switch interval) measured: sections d and f run once per pair
-TRACE = False  # --trace: per-step phase timings of the cold-join and Zipf runs (adds a sync per phase)
+TRACE = False  # --trace: per-step phase timings of the join and Zipf runs (adds a sync per phase)
 Request = tuple[str, list[int], SamplingParams, str | None]
 
 
@@ -398,7 +398,7 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], col
         eng.run_until_idle()
         if TRACE:
             gc.callbacks.remove(on_gc)
-        if TRACE and arrivals.startswith("cold"):
+        if TRACE and arrivals != "none":  # joins of every kind: their slowest gaps
             print(f"  [gaps {tag}] {len(gc_pauses)} GC runs, longest {max(gc_pauses, default=0) * 1e3:.1f} ms")
             slowest = sorted(range(len(out)), key=lambda i: -out[i])[: max(1, len(out) // 100)]
             by_iteration = {ended_in[i]: i for i in reversed(slowest)}  # one line per iteration, its longest gap
