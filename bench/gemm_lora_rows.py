@@ -9,6 +9,9 @@ weights per layer, so that L2 holds none of them between launches), each in one 
 - the LoRA GEMM with `row_tile`'s tile (one tile of 128 rows past 64).
 Prints us per layer and the ratios: each LoRA GEMM over cuBLAS, and the new row tile over tiles of 64. Every
 launch's output is checked against the torch reference first. Times: medians of `triton.testing.do_bench`.
+
+`--sweep`: at each row count, the tile of 128 rows at 4 and 8 warps and 2-5 pipeline stages (those that fit
+the GPU's shared memory), against `row_tile`'s own choice and cuBLAS in the same run.
 """
 
 from __future__ import annotations
@@ -89,19 +92,71 @@ def measure(rows: int, layers: list[Layer], gen: torch.Generator) -> str:
     )
 
 
+def sweep(rows: int, layers: list[Layer], gen: torch.Generator) -> list[str]:
+    """The 128-row tile's warps and stages at `rows` rows; one line per variant that compiles and fits."""
+    ranks = torch.tensor([RANK, 0], dtype=torch.int32, device=DEV)
+    scalings = torch.tensor([1.0, 1.0], device=DEV)
+    x = {g: torch.randn(rows, k, device=DEV, generator=gen).to(DTYPE) for g, (k, _) in GROUPS.items()}
+    slots = torch.tensor([0 if t >= 64 else -1 for t in range(rows)], dtype=torch.int32, device=DEV)
+
+    def variant(stages: int | None, warps: int | None) -> Callable[[], list[torch.Tensor]]:
+        def run() -> list[torch.Tensor]:
+            return [
+                gemm_lora(
+                    *(x[g], layer.w[g], None, layer.a[g], layer.b[g], ranks, scalings, slots),
+                    slice_sizes=GROUPS[g][1],
+                    block_m=128,
+                    num_stages=stages,
+                    num_warps=warps,
+                )
+                for layer in layers
+                for g in GROUPS
+            ]
+
+        return run
+
+    def timed(fn: Callable[[], list[torch.Tensor]]) -> float:
+        return median_us(capture(fn)[0].replay, quick=False) / len(layers)
+
+    base = timed(lambda: [F.linear(x[g], layer.w[g]) for layer in layers for g in GROUPS])
+    default = timed(variant(None, None))
+    lines = [f"{rows} rows: cuBLAS {base:.1f} us per layer, row_tile's choice {default:.1f} (x{default / base:.3f})"]
+    for warps in (4, 8):
+        for stages in (2, 3, 4, 5):
+            try:
+                first = variant(stages, warps)()[0]  # layer 0's q/k/v
+            except Exception as e:  # a variant that does not fit the GPU (shared memory, registers)
+                lines.append(f"  {warps} warps, {stages} stages: {type(e).__name__}")
+                continue
+            layer = layers[0]
+            want = reference_gemm_lora(
+                *(x["qkv"], layer.w["qkv"], None, layer.a["qkv"], layer.b["qkv"], ranks, scalings, slots),
+                slice_sizes=GROUPS["qkv"][1],
+            )
+            if rel_err(first, want) > 1e-2:
+                raise AssertionError(f"{rows} rows, {warps} warps, {stages} stages: rel err {rel_err(first, want):.2e}")
+            t = timed(variant(stages, warps))
+            lines.append(
+                f"  {warps} warps, {stages} stages: {t:.1f} us (x{t / base:.3f} cuBLAS, x{t / default:.3f} the choice)"
+            )
+    return lines
+
+
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--layers", type=int, default=8, help="layers per graph (distinct weights)")
     parser.add_argument("--rows", default="64,72,96,128", help="row counts (decode graph buckets)")
+    parser.add_argument("--sweep", action="store_true", help="the 128-row tile's warps and stages (see above)")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     gen = torch.Generator(device=DEV).manual_seed(0)
     layers = [Layer(gen) for _ in range(args.layers)]
     summary = []
     for rows in (int(r) for r in args.rows.split(",")):
-        summary.append(measure(rows, layers, gen))
-        print(summary[-1], flush=True)
+        lines = sweep(rows, layers, gen) if args.sweep else [measure(rows, layers, gen)]
+        summary.extend(lines)
+        print("\n".join(lines), flush=True)
     print("\n== summary (four projection groups of a Llama-7B layer, one rank-16 adapter, bf16, graphs) ==")
     print("\n".join(summary))
 

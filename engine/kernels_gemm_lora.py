@@ -310,14 +310,17 @@ def gemm_lora(
     slice_sizes: Sequence[int],
     split_k: int | None = None,
     block_m: int | None = None,
+    num_stages: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """`x @ w.T + bias` plus every row's LoRA delta (module docstring), as a new tensor.
 
     At most one slot may appear among `token_slots` (besides -1): the caller guarantees it (a tile's rows would
     otherwise all take its largest slot's adapter). `b_stack` is the `[S, N, R]` view of rank-major storage, as
     `kernels_expand.expand` takes it. Raises ValueError where the shapes do not fit (`fits` False: use the
-    separate kernels). `split_k` overrides the splits of K that `tiling` picks and `block_m` the row tile
-    that `row_tile` picks (tests, benches).
+    separate kernels). `split_k` overrides the splits of K that `tiling` picks, `block_m` the row tile that
+    `row_tile` picks, `num_stages` the pipeline depth `_pipeline` picks and `num_warps` the warps (tests,
+    benches: `bench/gemm_lora_rows.py --sweep`).
     """
     num_tokens, k_dim = x.shape
     n_dim = w.shape[0]
@@ -338,19 +341,19 @@ def gemm_lora(
         block_n, split = (_dividing(sizes)[0] if split_k > 1 else block_n_for(sizes, n_dim) or block_n), split_k
     out = torch.empty(num_tokens, n_dim, dtype=x.dtype, device=x.device)
     starts = [sum(sizes[:i]) for i in range(1, len(sizes))] + [n_dim] * (MAX_SLICES - len(sizes))
-    tile_m, num_warps = row_tile(num_tokens)
     if block_m is None:
-        block_m = tile_m
+        block_m, warps = row_tile(num_tokens)
     elif block_m not in (16, 32, 64, 128):
         raise ValueError(f"block_m {block_m}: 16, 32, 64 or 128")
     else:
-        num_warps = row_tile(block_m)[1]
+        warps = row_tile(block_m)[1]
     interpret = bool(triton.knobs.runtime.interpret)
     block_r = max(RANK_BLOCK.value, triton.next_power_of_2(r_slice))
     grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(n_dim, block_n), split)
     if grid[0] * grid[1] > _MAX_SPLIT_TILES:
         grid, split = (grid[0], grid[1], 1), 1
     block_k, stages = _pipeline(x, grid[0] * grid[1] * split, block_m + block_n + block_r)
+    stages = num_stages or stages
     k_split = triton.cdiv(triton.cdiv(k_dim, split), block_k) * block_k
     partials = arrivals = out
     if split > 1:
@@ -393,7 +396,7 @@ def gemm_lora(
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         UPCAST=interpret,
         GDC=pdl,
-        num_warps=num_warps,
+        num_warps=num_warps or warps,
         num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )
