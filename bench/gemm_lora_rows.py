@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -55,87 +56,93 @@ class Layer:
             self.b[group] = (torch.randn(2, RANK, n, device=DEV, generator=gen) * 0.5).to(DTYPE).transpose(1, 2)
 
 
-def measure(rows: int, layers: list[Layer], gen: torch.Generator) -> str:
-    """Check, then time, the three variants at `rows` rows; the summary line."""
-    ranks = torch.tensor([RANK, 0], dtype=torch.int32, device=DEV)
-    scalings = torch.tensor([1.0, 1.0], device=DEV)
-    x = {g: torch.randn(rows, k, device=DEV, generator=gen).to(DTYPE) for g, (k, _) in GROUPS.items()}
-    # 64 base rows and the joiner's rows on the adapter (at 64 rows: 8 of them), as in goal (d)'s joins.
-    joiner = max(8, rows - 64)
-    slots = torch.tensor([0 if t >= rows - joiner else -1 for t in range(rows)], dtype=torch.int32, device=DEV)
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """`gemm_lora`'s launch overrides; None: its own choice."""
 
-    def lora(block_m: int | None, layer: Layer, group: str) -> torch.Tensor:
-        operands = (x[group], layer.w[group], None, layer.a[group], layer.b[group], ranks, scalings, slots)
-        return gemm_lora(*operands, slice_sizes=GROUPS[group][1], block_m=block_m)
+    block_m: int | None = None
+    num_stages: int | None = None
+    num_warps: int | None = None
 
-    for block_m in (64, None):
+
+class Step:
+    """One step's inputs at `rows` rows: 64 base rows and a joiner's rows on the adapter (at 64 rows, 8 of
+    them), as in goal (d)'s joins; the LoRA GEMM over them with any launch overrides."""
+
+    def __init__(self, rows: int, layers: list[Layer], gen: torch.Generator) -> None:
+        self.rows, self.layers = rows, layers
+        self.ranks = torch.tensor([RANK, 0], dtype=torch.int32, device=DEV)
+        self.scalings = torch.tensor([1.0, 1.0], device=DEV)
+        self.x = {g: torch.randn(rows, k, device=DEV, generator=gen).to(DTYPE) for g, (k, _) in GROUPS.items()}
+        joiner = max(8, rows - 64)
+        self.slots = torch.tensor([0 if t >= rows - joiner else -1 for t in range(rows)], dtype=torch.int32, device=DEV)
+
+    def operands(
+        self, layer: Layer, group: str
+    ) -> tuple[torch.Tensor, torch.Tensor, None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`gemm_lora`'s positional operands for one layer's group."""
+        x, slots = self.x[group], self.slots
+        return (x, layer.w[group], None, layer.a[group], layer.b[group], self.ranks, self.scalings, slots)
+
+    def lora(self, layer: Layer, group: str, launch: Launch) -> torch.Tensor:
+        sizes = GROUPS[group][1]
+        return gemm_lora(
+            *self.operands(layer, group),
+            slice_sizes=sizes,
+            block_m=launch.block_m,
+            num_stages=launch.num_stages,
+            num_warps=launch.num_warps,
+        )
+
+    def check(self, launch: Launch) -> None:
+        """Every group of the first layer against the torch reference."""
         for group in GROUPS:
-            got = lora(block_m, layers[0], group)
-            operands = (x[group], layers[0].w[group], None, layers[0].a[group], layers[0].b[group], ranks, scalings)
-            err = rel_err(got, reference_gemm_lora(*operands, slots, slice_sizes=GROUPS[group][1]))
+            want = reference_gemm_lora(*self.operands(self.layers[0], group), slice_sizes=GROUPS[group][1])
+            err = rel_err(self.lora(self.layers[0], group, launch), want)
             if err > 1e-2:
-                raise AssertionError(f"{rows} rows, block_m {block_m}, {group}: rel err {err:.2e}")
+                raise AssertionError(f"{self.rows} rows, {launch}, {group}: rel err {err:.2e}")
 
-    def all_layers(fn: Callable[[Layer, str], torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
-        return lambda: [fn(layer, group) for layer in layers for group in GROUPS]
+    def time_lora(self, launch: Launch) -> float:
+        """us per layer of the LoRA GEMMs of every layer, in one graph."""
+        return self.time(lambda: [self.lora(layer, g, launch) for layer in self.layers for g in GROUPS])
 
-    variants = [
-        all_layers(lambda layer, group: F.linear(x[group], layer.w[group])),
-        all_layers(lambda layer, group: lora(64, layer, group)),
-        all_layers(lambda layer, group: lora(None, layer, group)),
-    ]
-    base, tiles64, tiled = (median_us(capture(fn)[0].replay, quick=False) / len(layers) for fn in variants)
+    def time_cublas(self) -> float:
+        return self.time(lambda: [F.linear(self.x[g], layer.w[g]) for layer in self.layers for g in GROUPS])
+
+    def time(self, fn: Callable[[], list[torch.Tensor]]) -> float:
+        return median_us(capture(fn)[0].replay, quick=False) / len(self.layers)
+
+
+def measure(step: Step) -> str:
+    """Check, then time, the three variants; the summary line."""
+    tiles_of_64, chosen = Launch(block_m=64), Launch()
+    step.check(tiles_of_64)
+    step.check(chosen)
+    base, tiles64, tiled = step.time_cublas(), step.time_lora(tiles_of_64), step.time_lora(chosen)
     return (
-        f"{rows:3d} rows: cuBLAS {base:.1f} us per layer; LoRA GEMM tiles of 64 {tiles64:.1f} "
-        f"(x{tiles64 / base:.3f} cuBLAS), row_tile {row_tile(rows)[0]} {tiled:.1f} (x{tiled / base:.3f} cuBLAS); "
-        f"row_tile / tiles of 64 x{tiled / tiles64:.3f}"
+        f"{step.rows:3d} rows: cuBLAS {base:.1f} us per layer; LoRA GEMM tiles of 64 {tiles64:.1f} "
+        f"(x{tiles64 / base:.3f} cuBLAS), row_tile {row_tile(step.rows)[0]} {tiled:.1f} (x{tiled / base:.3f} "
+        f"cuBLAS); row_tile / tiles of 64 x{tiled / tiles64:.3f}"
     )
 
 
-def sweep(rows: int, layers: list[Layer], gen: torch.Generator) -> list[str]:
-    """The 128-row tile's warps and stages at `rows` rows; one line per variant that compiles and fits."""
-    ranks = torch.tensor([RANK, 0], dtype=torch.int32, device=DEV)
-    scalings = torch.tensor([1.0, 1.0], device=DEV)
-    x = {g: torch.randn(rows, k, device=DEV, generator=gen).to(DTYPE) for g, (k, _) in GROUPS.items()}
-    slots = torch.tensor([0 if t >= 64 else -1 for t in range(rows)], dtype=torch.int32, device=DEV)
-
-    def variant(stages: int | None, warps: int | None) -> Callable[[], list[torch.Tensor]]:
-        def run() -> list[torch.Tensor]:
-            return [
-                gemm_lora(
-                    *(x[g], layer.w[g], None, layer.a[g], layer.b[g], ranks, scalings, slots),
-                    slice_sizes=GROUPS[g][1],
-                    block_m=128,
-                    num_stages=stages,
-                    num_warps=warps,
-                )
-                for layer in layers
-                for g in GROUPS
-            ]
-
-        return run
-
-    def timed(fn: Callable[[], list[torch.Tensor]]) -> float:
-        return median_us(capture(fn)[0].replay, quick=False) / len(layers)
-
-    base = timed(lambda: [F.linear(x[g], layer.w[g]) for layer in layers for g in GROUPS])
-    default = timed(variant(None, None))
-    lines = [f"{rows} rows: cuBLAS {base:.1f} us per layer, row_tile's choice {default:.1f} (x{default / base:.3f})"]
+def sweep(step: Step) -> list[str]:
+    """The 128-row tile's warps and stages; one line per variant that compiles and fits."""
+    base, default = step.time_cublas(), step.time_lora(Launch(block_m=128))
+    lines = [
+        f"{step.rows} rows: cuBLAS {base:.1f} us per layer, row_tile's choice {default:.1f} (x{default / base:.3f})"
+    ]
     for warps in (4, 8):
         for stages in (2, 3, 4, 5):
+            launch = Launch(block_m=128, num_stages=stages, num_warps=warps)
             try:
-                first = variant(stages, warps)()[0]  # layer 0's q/k/v
+                step.check(launch)
+            except AssertionError:
+                raise
             except Exception as e:  # a variant that does not fit the GPU (shared memory, registers)
                 lines.append(f"  {warps} warps, {stages} stages: {type(e).__name__}")
                 continue
-            layer = layers[0]
-            want = reference_gemm_lora(
-                *(x["qkv"], layer.w["qkv"], None, layer.a["qkv"], layer.b["qkv"], ranks, scalings, slots),
-                slice_sizes=GROUPS["qkv"][1],
-            )
-            if rel_err(first, want) > 1e-2:
-                raise AssertionError(f"{rows} rows, {warps} warps, {stages} stages: rel err {rel_err(first, want):.2e}")
-            t = timed(variant(stages, warps))
+            t = step.time_lora(launch)
             lines.append(
                 f"  {warps} warps, {stages} stages: {t:.1f} us (x{t / base:.3f} cuBLAS, x{t / default:.3f} the choice)"
             )
@@ -154,7 +161,8 @@ def main() -> None:
     layers = [Layer(gen) for _ in range(args.layers)]
     summary = []
     for rows in (int(r) for r in args.rows.split(",")):
-        lines = sweep(rows, layers, gen) if args.sweep else [measure(rows, layers, gen)]
+        step = Step(rows, layers, gen)
+        lines = sweep(step) if args.sweep else [measure(step)]
         summary.extend(lines)
         print("\n".join(lines), flush=True)
     print("\n== summary (four projection groups of a Llama-7B layer, one rank-16 adapter, bf16, graphs) ==")
