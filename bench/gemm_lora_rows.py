@@ -10,14 +10,16 @@ weights per layer, so that L2 holds none of them between launches), each in one 
 Prints us per layer and the ratios: each LoRA GEMM over cuBLAS, and the new row tile over tiles of 64. Every
 launch's output is checked against the torch reference first. Times: medians of `triton.testing.do_bench`.
 
-`--sweep`: at each row count, the tile of 128 rows at 4 and 8 warps and 2-5 pipeline stages (those that fit
-the GPU's shared memory), against `row_tile`'s own choice and cuBLAS in the same run.
+`--sweep`: at each row count, the tile of 128 rows at 4 and 8 warps, BLOCK_K 64 and 128 and 2-6 pipeline stages
+(those that fit the GPU's shared memory), per projection group, against `row_tile`'s own choice and cuBLAS in the
+same run.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +65,7 @@ class Launch:
     block_m: int | None = None
     num_stages: int | None = None
     num_warps: int | None = None
+    block_k: int | None = None
 
 
 class Step:
@@ -92,6 +95,7 @@ class Step:
             block_m=launch.block_m,
             num_stages=launch.num_stages,
             num_warps=launch.num_warps,
+            block_k=launch.block_k,
         )
 
     def check(self, launch: Launch) -> None:
@@ -102,12 +106,12 @@ class Step:
             if err > 1e-2:
                 raise AssertionError(f"{self.rows} rows, {launch}, {group}: rel err {err:.2e}")
 
-    def time_lora(self, launch: Launch) -> float:
-        """us per layer of the LoRA GEMMs of every layer, in one graph."""
-        return self.time(lambda: [self.lora(layer, g, launch) for layer in self.layers for g in GROUPS])
+    def time_lora(self, launch: Launch, groups: Sequence[str] = tuple(GROUPS)) -> float:
+        """us per layer of the LoRA GEMMs of `groups` in every layer, in one graph."""
+        return self.time(lambda: [self.lora(layer, g, launch) for layer in self.layers for g in groups])
 
-    def time_cublas(self) -> float:
-        return self.time(lambda: [F.linear(self.x[g], layer.w[g]) for layer in self.layers for g in GROUPS])
+    def time_cublas(self, groups: Sequence[str] = tuple(GROUPS)) -> float:
+        return self.time(lambda: [F.linear(self.x[g], layer.w[g]) for layer in self.layers for g in groups])
 
     def time(self, fn: Callable[[], list[torch.Tensor]]) -> float:
         return median_us(capture(fn)[0].replay, quick=False) / len(self.layers)
@@ -127,26 +131,37 @@ def measure(step: Step) -> str:
 
 
 def sweep(step: Step) -> list[str]:
-    """The 128-row tile's warps and stages; one line per variant that compiles and fits."""
-    base, default = step.time_cublas(), step.time_lora(Launch(block_m=128))
-    lines = [
-        f"{step.rows} rows: cuBLAS {base:.1f} us per layer, row_tile's choice {default:.1f} (x{default / base:.3f})"
-    ]
-    for warps in (4, 8):
-        for stages in (2, 3, 4, 5):
-            launch = Launch(block_m=128, num_stages=stages, num_warps=warps)
-            try:
-                step.check(launch)
-            except AssertionError:
-                raise
-            except Exception as e:  # a variant that does not fit the GPU (shared memory, registers)
-                lines.append(f"  {warps} warps, {stages} stages: {type(e).__name__}")
-                continue
-            t = step.time_lora(launch)
-            lines.append(
-                f"  {warps} warps, {stages} stages: {t:.1f} us (x{t / base:.3f} cuBLAS, x{t / default:.3f} the choice)"
-            )
+    """The 128-row tile's warps, K tile and stages, per projection group: one line per variant that compiles and
+    fits, then each group's best beside `row_tile`'s choice."""
+    groups = list(GROUPS)
+    base = {g: step.time_cublas([g]) for g in groups}
+    chosen = {g: step.time_lora(Launch(block_m=128), [g]) for g in groups}
+    lines = [f"{step.rows} rows, us per layer (x cuBLAS): " + fmt_groups(chosen, base) + "  <- row_tile's choice"]
+    best = dict(chosen)
+    best_launch = dict.fromkeys(groups, "the choice")
+    for warps, block_k, stages in itertools.product((4, 8), (64, 128), (2, 3, 4, 5, 6)):
+        launch = Launch(block_m=128, num_stages=stages, num_warps=warps, block_k=block_k)
+        name = f"{warps} warps, BLOCK_K {block_k}, {stages} stages"
+        try:
+            step.check(launch)
+        except AssertionError:
+            raise
+        except Exception as e:  # a variant that does not fit the GPU (shared memory, registers)
+            lines.append(f"  {name}: {type(e).__name__}")
+            continue
+        times = {g: step.time_lora(launch, [g]) for g in groups}
+        lines.append(f"  {name}: " + fmt_groups(times, base))
+        for g in groups:
+            if times[g] < best[g]:
+                best[g], best_launch[g] = times[g], name
+    total = sum(best.values()) / sum(chosen.values())
+    lines.append(f"  best per group: {fmt_groups(best, base)}; all four x{total:.3f} the choice")
+    lines.extend(f"    {g}: {best_launch[g]}" for g in groups)
     return lines
+
+
+def fmt_groups(times: dict[str, float], base: dict[str, float]) -> str:
+    return ", ".join(f"{g} {t:.1f} (x{t / base[g]:.3f})" for g, t in times.items())
 
 
 @torch.inference_mode()

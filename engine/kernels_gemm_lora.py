@@ -312,6 +312,7 @@ def gemm_lora(
     block_m: int | None = None,
     num_stages: int | None = None,
     num_warps: int | None = None,
+    block_k: int | None = None,
 ) -> torch.Tensor:
     """`x @ w.T + bias` plus every row's LoRA delta (module docstring), as a new tensor.
 
@@ -319,8 +320,8 @@ def gemm_lora(
     otherwise all take its largest slot's adapter). `b_stack` is the `[S, N, R]` view of rank-major storage, as
     `kernels_expand.expand` takes it. Raises ValueError where the shapes do not fit (`fits` False: use the
     separate kernels). `split_k` overrides the splits of K that `tiling` picks, `block_m` the row tile that
-    `row_tile` picks, `num_stages` the pipeline depth `_pipeline` picks and `num_warps` the warps (tests,
-    benches: `bench/gemm_lora_rows.py --sweep`).
+    `row_tile` picks, `num_stages` and `block_k` the pipeline depth and K tile `_pipeline` picks and `num_warps`
+    the warps (tests, benches: `bench/gemm_lora_rows.py --sweep`).
     """
     num_tokens, k_dim = x.shape
     n_dim = w.shape[0]
@@ -352,8 +353,10 @@ def gemm_lora(
     grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(n_dim, block_n), split)
     if grid[0] * grid[1] > _MAX_SPLIT_TILES:
         grid, split = (grid[0], grid[1], 1), 1
-    block_k, stages = _pipeline(x, grid[0] * grid[1] * split, block_m + block_n + block_r)
-    stages = num_stages or stages
+    if block_k not in (None, 32, 64, 128):
+        raise ValueError(f"block_k {block_k}: 32, 64 or 128")
+    chosen_k, stages = _pipeline(x, grid[0] * grid[1] * split, block_m + block_n + block_r)
+    block_k, stages = block_k or chosen_k, num_stages or stages
     k_split = triton.cdiv(triton.cdiv(k_dim, split), block_k) * block_k
     partials = arrivals = out
     if split > 1:

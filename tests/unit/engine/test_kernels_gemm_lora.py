@@ -84,6 +84,8 @@ def test_rows_past_a_decode_batch_of_64_take_one_row_tile() -> None:
     args = (ops["x"], ops["w"], None, ops["a_stack"], ops["b_stack"], ops["ranks"], ops["scalings"], slots)
     with pytest.raises(ValueError, match="block_m 48"):
         gemm_lora(*args, slice_sizes=[32, 16], block_m=48)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="block_k 48"):
+        gemm_lora(*args, slice_sizes=[32, 16], block_k=48)  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="compiled launch shapes (parent process); needs triton")
@@ -134,6 +136,11 @@ class TestInterpreted:
         choice), with a masked row tail either way."""
         self.check(dtype, 72, 96, [32, 32], 16, True, 0, block_m)
 
+    @pytest.mark.parametrize("block_k", [32, 64])
+    def test_k_tiles_narrower_than_the_pipelines_choice(self, block_k: int) -> None:
+        """An input width of 200 in K tiles of 32 or 64 (the sweep's override), the last one masked."""
+        self.check(torch.float32, 72, 200, [32, 32], 16, True, 0, 128, block_k)
+
     @staticmethod
     def check(
         dtype: torch.dtype,
@@ -144,6 +151,7 @@ class TestInterpreted:
         bias: bool,
         slot: int,
         block_m: int | None,
+        block_k: int | None = None,
     ) -> None:
         from engine.kernels_gemm_lora import gemm_lora, reference_gemm_lora
 
@@ -151,7 +159,7 @@ class TestInterpreted:
         # One adapter, with base rows among its rows (and, past `rows`, padding in the last row tile).
         slots = torch.tensor([-1 if t % 3 == 1 else slot for t in range(rows)], dtype=torch.int32)
         args = (ops["x"], ops["w"], ops["bias"], ops["a_stack"], ops["b_stack"], ops["ranks"], ops["scalings"], slots)
-        got = gemm_lora(*args, slice_sizes=sizes, block_m=block_m)  # type: ignore[arg-type]
+        got = gemm_lora(*args, slice_sizes=sizes, block_m=block_m, block_k=block_k)  # type: ignore[arg-type]
         want = reference_gemm_lora(*args, slice_sizes=sizes)  # type: ignore[arg-type]
         assert rel_err(got, want) < TOLERANCE[dtype]
         plain = reference_gemm_lora(*args[:7], torch.full_like(slots, -1), slice_sizes=sizes)  # type: ignore[arg-type]
