@@ -48,7 +48,7 @@ _MIN_TILES = 96
 _MAX_RANK = 64
 _SHARED_MEMORY_RESERVED = 7 * 1024
 _MIN_SPLIT_K = 512
-_MAX_STAGES = 5
+_MAX_STAGES = 5  # at BLOCK_K 128; one more at narrower K tiles (`_pipeline`)
 _NUM_WARPS = 4
 _MAX_SPLIT_TILES = 4096
 # The largest row tile (`row_tile`). A module setting so that benches can capture an engine's graphs with
@@ -286,15 +286,20 @@ def _shared_memory(device: torch.device) -> int:
 
 def _pipeline(x: torch.Tensor, tiles: int, tile_rows: int) -> tuple[int, int]:
     """BLOCK_K and pipeline stages: as deep a pipeline of x, weight and A tiles (`tile_rows` rows in all) as
-    shared memory holds for every program resident at once (`_shared_memory`). Where the tiles outnumber
-    the SMs, two share an SM: BLOCK_K 64 then keeps 4 stages (Llama-7B gate/up, 172 tiles: 54.9 against 60.6 us
-    with BLOCK_K 128 and one program an SM at a time; bench/RESULTS-gpu.md)."""
+    shared memory holds for every program resident at once (`_shared_memory`). BLOCK_K 128 where 4 stages of it
+    fit, else 64 (or 32) with up to 6: a deeper pipeline of narrower K tiles beats 3 stages of wide ones. Where
+    the tiles outnumber the SMs, two share an SM: BLOCK_K 64 then keeps 4 stages (Llama-7B gate/up at 64 rows,
+    172 tiles: 54.9 against 60.6 us with BLOCK_K 128 and one program an SM at a time). The 128-row tile (72-96
+    rows, one H100, `bench/gemm_lora_rows.py --sweep`): q/k/v 41.8 us at BLOCK_K 64 and 6 stages against 45.9 at
+    128 and 3, down 41.7 against 43.1 (bench/RESULTS-gpu.md)."""
     if triton.knobs.runtime.interpret:
         return _BLOCK_K, 1
     budget = _shared_memory(x.device) // triton.cdiv(tiles, kernels_triton._sm_count(x.device))
     row_bytes = tile_rows * x.element_size()
-    block_k = next((k for k in (_BLOCK_K, _BLOCK_K // 2) if 3 * row_bytes * k <= budget), _BLOCK_K // 4)
-    return block_k, max(2, min(_MAX_STAGES, budget // (row_bytes * block_k)))
+    if 4 * row_bytes * _BLOCK_K <= budget:
+        return _BLOCK_K, min(_MAX_STAGES, budget // (row_bytes * _BLOCK_K))
+    block_k = next((k for k in (_BLOCK_K // 2, _BLOCK_K // 4) if 3 * row_bytes * k <= budget), _BLOCK_K // 4)
+    return block_k, max(2, min(_MAX_STAGES + 1, budget // (row_bytes * block_k)))
 
 
 def gemm_lora(

@@ -101,6 +101,11 @@ def test_pipeline_fits_the_gpus_shared_memory(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(kg, "_shared_memory", lambda device: 220 * 1024)  # an H200's
     assert kg._pipeline(x, 96, rows) == (128, 4)  # q/k/v: a program an SM
     assert kg._pipeline(x, 172, rows) == (64, 4)  # gate/up: two share an SM
+    # The 128-row tile: 4 stages of BLOCK_K 128 do not fit, so 6 of 64 (q/k/v), 3 where two share an SM (gate/up).
+    tall = 128 + 128 + 16
+    assert kg._pipeline(x, 96, tall) == (64, 6)
+    assert kg._pipeline(x, 172, tall) == (64, 3)
+    assert kg._pipeline(x, 128, 128 + 64 + 16) == (128, 4)  # o and down: 64-column tiles, K split in two
     monkeypatch.setattr(kg, "_shared_memory", lambda device: 92 * 1024)
     for tiles in (96, 172):
         block_k, stages = kg._pipeline(x, tiles, rows)
