@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from engine import kernels_gemm_lora
+from engine.adapter_loader import ProcessLoader
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.loader import resolve_model
@@ -611,12 +612,52 @@ def section_zipf(b: Bench, prompt: list[int], requests: int, rate: float, pinned
     report(f"(e) hit rate ours / LRU: {results['frequency'][1] / max(results['lru'][1], 1e-9):.2f}x")
 
 
+class LoadTimeline:
+    """--trace: when each task of an engine's loader processes was submitted, ran in its worker (the tasks that
+    return their own start and end: `fill_layers`) and was seen done by the engine process; one clock for all
+    processes (`time.perf_counter`, CLOCK_MONOTONIC)."""
+
+    def __init__(self, eng: LLMEngine) -> None:
+        loader = eng.pool._loader
+        if not isinstance(loader, ProcessLoader):
+            raise SystemExit("--trace of (f) needs --loaders process")
+        self.events: list[tuple[str, float, Future[object]]] = []
+        self.done: dict[int, float] = {}
+        run = loader._run
+
+        def traced(fn: Callable[..., object], *args: object) -> Future[object]:
+            future = run(fn, *args)
+            self.events.append((fn.__name__, time.perf_counter(), future))
+            future.add_done_callback(lambda f: self.done.setdefault(id(f), time.perf_counter()))
+            return future
+
+        loader._run = traced  # type: ignore[method-assign,assignment]
+
+    def clear(self) -> None:
+        self.events.clear()
+        self.done.clear()
+
+    def print(self, swap: int, t0: float, marks: dict[str, float]) -> None:
+        """One line per task and mark, in ms from `t0` (the apply)."""
+
+        def ms(t: float | None) -> str:
+            return "-" if t is None else f"{(t - t0) * 1e3:.1f}"
+
+        for name, submitted, future in self.events:
+            ran = future.result() if future.done() and not future.cancelled() and not future.exception() else None
+            inside = f", in worker {ms(ran[0])}-{ms(ran[1])}" if isinstance(ran, tuple) else ""
+            seen = self.done.get(id(future))
+            print(f"  [swap {swap}] {name}: submitted {ms(submitted)}{inside}, seen done {ms(seen)}")
+        print(f"  [swap {swap}] " + ", ".join(f"{mark} {ms(t)}" for mark, t in marks.items()))
+
+
 def section_hot_swap(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
     """(f) apply a new version while traffic runs: apply -> switch (staged load) -> first token on it."""
     v1, *v2s = b.adapters(eng, "swap", 10)  # 9 swaps: single ones vary by a decode step or a collection
     eng.load_adapter("swap", str(v1), wait=True)
     ttft(eng, "sw0", prompt, "swap")
     totals, switches = [], []
+    timeline = LoadTimeline(eng) if TRACE else None
     for i, v2 in enumerate(v2s):
         for j in range(8):  # live traffic on v1
             eng.add_request(
@@ -628,8 +669,11 @@ def section_hot_swap(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
         eng.step()
         if len(eng.scheduler.running) < 8:
             raise AssertionError("(f) the background traffic is not decoding when the new version is applied")
+        if timeline is not None:
+            timeline.clear()
         t0 = time.perf_counter()
         new: AdapterVersion = eng.load_adapter("swap", str(v2), wait=False)
+        registered = time.perf_counter()
         while eng.pool.lookup("swap") is not new:  # old version keeps serving while the new one loads
             eng._drain_commands()
             if eng.scheduler.has_work():
@@ -650,6 +694,8 @@ def section_hot_swap(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
             eng.step()
         totals.append(first[0] - t0)
         switches.append(switched - t0)
+        if timeline is not None:
+            timeline.print(i, t0, {"registered": registered, "switch seen": switched, "first token": first[0]})
         eng.run_until_idle()
         if new.requests_served < 1:
             raise AssertionError("(f) the request timed after the switch was not served by the new version")

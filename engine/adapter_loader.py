@@ -16,6 +16,7 @@ import itertools
 import logging
 import multiprocessing
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -151,14 +152,14 @@ class ProcessLoader:
         if extent is not None:
             assert self._arena is not None and self._layout is not None
             offset = self._arena.offset(extent)
-            parts: list[Future[None]] = []
+            parts: list[Future[tuple[float, float]]] = []
             for layers in layer_parts(self._layout.num_layers, self._workers):
                 try:
                     parts.append(
                         self._run(fill_layers, spec, self._dtype, self._layout, self._arena.name, offset, layers)
                     )
                 except Exception as exc:  # no workers could start: the parts already queued are cancelled
-                    failed: Future[None] = Future()
+                    failed: Future[tuple[float, float]] = Future()
                     failed.set_exception(exc)
                     parts.append(failed)
                     break
@@ -214,17 +215,20 @@ def layer_parts(num_layers: int, parts: int) -> list[range]:
 
 def fill_layers(
     spec: AdapterSpec, dtype: torch.dtype, layout: SlotLayout, arena: str, offset: int, layers: range
-) -> None:
+) -> tuple[float, float]:
     """In a loader process: `layers` of `spec`'s slot image, written into it at byte `offset` of shared arena
-    `arena` (`load_layers_into`)."""
+    `arena` (`load_layers_into`). Returns the part's start and end on `time.perf_counter` (CLOCK_MONOTONIC,
+    one clock for every process of the machine), for load timelines (bench/engine_gpu_e2e.py --trace)."""
+    start = time.perf_counter()
     groups = image_groups(spec.modules)
     image = attach(arena, offset, layout.image_size(groups, spec.rank), dtype)
     load_layers_into(spec, dtype, layout, image, layers)
+    return start, time.perf_counter()
 
 
 def _settle_parts(
     outer: Future[AdapterWeights],
-    parts: list[Future[None]],
+    parts: list[Future[tuple[float, float]]],
     image: AdapterWeights,
     arena: PinnedArena,
     on_broken: Callable[[], None] | None,
@@ -236,7 +240,7 @@ def _settle_parts(
     lock = threading.Lock()
     pending = [len(parts)]
 
-    def part_done(_: Future[None]) -> None:
+    def part_done(_: Future[tuple[float, float]]) -> None:
         with lock:
             pending[0] -= 1
             if pending[0]:
