@@ -623,6 +623,9 @@ class LoadTimeline:
             raise SystemExit("--trace of (f) needs --loaders process")
         self.events: list[tuple[str, float, Future[object]]] = []
         self.done: dict[int, float] = {}
+        self.steps: list[tuple[float, float]] = []  # the engine steps run while the load ran
+        self.loaded: list[float] = []  # when the pool took each finished load (`AdapterPool.on_loaded`)
+        eng.pool.on_loaded.append(lambda: self.loaded.append(time.perf_counter()))
         run = loader._run
 
         def traced(fn: Callable[..., object], *args: object) -> Future[object]:
@@ -636,6 +639,8 @@ class LoadTimeline:
     def clear(self) -> None:
         self.events.clear()
         self.done.clear()
+        self.steps.clear()
+        self.loaded.clear()
 
     def print(self, swap: int, t0: float, marks: dict[str, float]) -> None:
         """One line per task and mark, in ms from `t0` (the apply)."""
@@ -648,7 +653,9 @@ class LoadTimeline:
             inside = f", in worker {ms(ran[0])}-{ms(ran[1])}" if isinstance(ran, tuple) else ""
             seen = self.done.get(id(future))
             print(f"  [swap {swap}] {name}: submitted {ms(submitted)}{inside}, seen done {ms(seen)}")
-        print(f"  [swap {swap}] " + ", ".join(f"{mark} {ms(t)}" for mark, t in marks.items()))
+        print(f"  [swap {swap}] steps while loading: " + " ".join(f"{ms(a)}-{ms(b)}" for a, b in self.steps))
+        loaded = {f"pool took load {i}": t for i, t in enumerate(self.loaded)}
+        print(f"  [swap {swap}] " + ", ".join(f"{mark} {ms(t)}" for mark, t in {**loaded, **marks}.items()))
 
 
 def section_hot_swap(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
@@ -659,14 +666,24 @@ def section_hot_swap(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
     totals, switches = [], []
     timeline = LoadTimeline(eng) if TRACE else None
     for i, v2 in enumerate(v2s):
+        decoding: set[str] = set()  # background requests past their second token
         for j in range(8):  # live traffic on v1
             eng.add_request(
-                f"bgs{i}{j}", prompt, SamplingParams(max_tokens=40, ignore_eos=True), "swap", lambda o: None
+                f"bgs{i}{j}",
+                prompt,
+                SamplingParams(max_tokens=40, ignore_eos=True),
+                "swap",
+                lambda o, rid=f"bgs{i}{j}", decoding=decoding: (  # type: ignore[misc]
+                    decoding.add(rid) if o.completion_tokens >= 2 else None
+                ),
             )
-        # Requests reach the scheduler through the engine's command queue: without draining it, the first step
-        # inside the timed loop below used to be these 8 prefills (26 ms of the 28 ms "staged load" figures).
-        eng._drain_commands()
-        eng.step()
+        # The new version is applied while the traffic decodes. Stepped only until the requests were admitted,
+        # the first step of the timed loop below waited for their 8 prefills, queued on the GPU by the step
+        # before it (about 23 of the 27 ms "staged load" at Llama-7B dims, stop 28's --trace). Before that the
+        # command queue was not drained either, and the prefills themselves ran inside the timed loop.
+        while len(decoding) < 8:
+            eng._drain_commands()
+            eng.step()
         if len(eng.scheduler.running) < 8:
             raise AssertionError("(f) the background traffic is not decoding when the new version is applied")
         if timeline is not None:
@@ -677,7 +694,10 @@ def section_hot_swap(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
         while eng.pool.lookup("swap") is not new:  # old version keeps serving while the new one loads
             eng._drain_commands()
             if eng.scheduler.has_work():
+                stepped = time.perf_counter()
                 eng.step()
+                if timeline is not None:
+                    timeline.steps.append((stepped, time.perf_counter()))
             else:
                 time.sleep(0.0002)
         switched = time.perf_counter()

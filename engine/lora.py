@@ -128,8 +128,12 @@ def pack_layers(
                 if pair is None:
                     absent += views
                 else:
+                    a, b = pair
+                    # B converted first, then copied transposed: a copy that converts and transposes at once
+                    # took twice as long (fp32 [4096, 16] into bf16: 60 against 33 us on one core), and B is
+                    # most of a load's packing time.
                     dst += views
-                    src += pair
+                    src += [a, b if b.dtype == image.dtype else b.to(image.dtype)]
                 n0 += width
     if absent:
         torch._foreach_zero_(absent)
