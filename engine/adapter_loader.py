@@ -28,7 +28,7 @@ import torch
 from engine.adapters import AdapterSpec, host_copy, load_adapter, load_layers_into, read_spec
 from engine.config import EngineConfig, ModelArch
 from engine.lora import AdapterWeights, SlotLayout, image_groups
-from engine.pinned_arena import PinnedArena, attach, shared_arena_fits
+from engine.pinned_arena import PinnedArena, attach, map_arena, shared_arena_fits
 
 log = logging.getLogger("engine.adapter_loader")
 T = TypeVar("T")
@@ -71,8 +71,13 @@ class ThreadLoader:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _worker_init() -> None:
+def _worker_init(arena: str | None) -> None:
     torch.set_num_threads(1)  # one adapter per worker; leave the cores to the engine
+    if arena is not None:
+        try:
+            map_arena(arena)  # its page tables filled now, not page by page inside loads
+        except OSError:  # (the arena closed meanwhile: an engine stopping) a raising initializer breaks the pool
+            log.warning("a loader process could not map the adapter arena %s", arena, exc_info=True)
 
 
 def _started() -> None:
@@ -96,7 +101,12 @@ class ProcessLoader:
     def _start_workers(self) -> ProcessPoolExecutor:
         # spawn, not fork: the engine process may hold CUDA state and threads a forked child cannot use.
         context = multiprocessing.get_context("spawn")
-        executor = ProcessPoolExecutor(max_workers=self._workers, mp_context=context, initializer=_worker_init)
+        executor = ProcessPoolExecutor(
+            max_workers=self._workers,
+            mp_context=context,
+            initializer=_worker_init,
+            initargs=(self._arena.name if self._arena is not None else None,),
+        )
         for _ in range(self._workers):  # the pool starts one more worker per task while none is idle
             executor.submit(_started)
         return executor

@@ -15,6 +15,7 @@ no allocation and no per-tensor Python work.
 from __future__ import annotations
 
 import bisect
+import mmap
 import os
 import threading
 from multiprocessing import shared_memory
@@ -153,16 +154,31 @@ def shared_arena_fits(nbytes: int) -> bool:
     return stats.f_bavail * stats.f_frsize >= nbytes
 
 
-_attached: dict[str, shared_memory.SharedMemory] = {}
+_attached: dict[str, mmap.mmap] = {}
+
+
+def map_arena(name: str) -> mmap.mmap:
+    """In a loader process: shared arena `name`, mapped whole once, with every page table entry filled at once
+    (MAP_POPULATE). Mapped lazily, a load's first write to each page of an extent this process had not
+    touched yet took a fault: a part of 2 Llama-7B layers took 4.7-8.9 ms to pack into a new extent against
+    1.5 ms into one written before (one core; bench/RESULTS-gpu.md, stop 28). Loader processes map it as they
+    start (`adapter_loader`), before any load waits for them.
+
+    Mapped from /dev/shm directly rather than through `SharedMemory(name=...)`, which would register the name
+    with the resource tracker once more."""
+    mapped = _attached.get(name)
+    if mapped is None:
+        fd = os.open(os.path.join(_SHM_DIR, name.lstrip("/")), os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        _attached[name] = mapped
+    return mapped
 
 
 def attach(name: str, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """In a loader process: the extent at byte `offset` of shared arena `name`, as `numel` `dtype`s."""
-    shm = _attached.get(name)
-    if shm is None:
-        # Attaching registers the name with the resource tracker again: spawned workers share the engine
-        # process's tracker, whose set of names the engine's `close` (unlink) clears.
-        shm = shared_memory.SharedMemory(name=name)
-        _attached[name] = shm
     count = numel * dtype.itemsize
-    return torch.frombuffer(shm.buf, dtype=torch.uint8, count=count, offset=offset).view(dtype)
+    return torch.frombuffer(map_arena(name), dtype=torch.uint8, count=count, offset=offset).view(dtype)

@@ -150,6 +150,34 @@ def test_a_shared_arena_is_one_segment_that_attached_views_write_into() -> None:
     assert not Path("/dev/shm", name).exists()
 
 
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the mapping's resident size from /proc")
+def test_a_loader_process_maps_the_whole_arena_with_its_pages_in_place() -> None:
+    """`map_arena` fills the mapping's page tables as it maps (MAP_POPULATE): a load writing into an extent the
+    process never touched then takes no page faults (a 2-layer Llama-7B part packed 2-6x slower without)."""
+    import ctypes
+
+    from engine.pinned_arena import map_arena
+
+    arena = PinnedArena(8 * PAGE, pin=False, page_bytes=PAGE)
+    try:
+        arena._buffer.fill_(1)  # the segment's pages exist, as a pinned arena's do
+        mapped = map_arena(arena.name)
+        assert map_arena(arena.name) is mapped  # once per process
+        start = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+        assert resident_kib(start) * 1024 == len(mapped) == 8 * PAGE
+    finally:
+        arena.close()
+
+
+def resident_kib(start: int) -> int:
+    """The Rss of this process's mapping that starts at `start`, from /proc/self/smaps."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{start:x}":
+            return next(int(x.split()[1]) for x in lines[i + 1 :] if x.startswith("Rss:"))
+    raise AssertionError(f"no mapping at {start:x}")
+
+
 def test_fits_answers_what_take_would_find_and_holds_only_extents_out(make_arena: Callable[[int], PinnedArena]) -> None:
     arena = make_arena(4)
     first = arena.take(2 * PAGE // 4, torch.float32)  # 2 pages
