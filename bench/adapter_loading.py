@@ -13,6 +13,12 @@ same rounds.
 Then the time of one load on its own (what a hot swap waits for), into the shared arena: split over
 `--workers` loader processes by layers (the engine's way) against one process doing the whole adapter,
 alternating, side by side.
+
+Last, one load at a time into extents that no loader process has written before (as the host tier of a
+running engine fills its arena before any extent comes back): loader processes that mapped the arena with its
+page tables filled as they started (the engine's way since stop 28) against ones that map it lazily and take a
+page fault at each first write (before), alternating. `--fault-shape llama-7b` loads 16 Llama-7B-shaped layers
+(the goals' dimensions, 40 MB slot images) instead of SmolLM2's 30.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,11 +40,12 @@ from gateway_rest import percentile  # a sibling script (bench/ is this script's
 from engine.adapter_loader import AdapterLoader, ProcessLoader, ThreadLoader
 from engine.adapters import read_spec
 from engine.config import EngineConfig, ModelArch
-from engine.lora import LoRAStacks
+from engine.lora import LoRAStacks, image_groups
 from engine.pinned_arena import PinnedArena
 from tests.unit.engine.tiny import write_adapter
 
 SMOLLM2 = ModelArch("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e5, 1e-5, 2048, True, False)
+LLAMA_7B_16 = ModelArch("llama", 49152, 4096, 11008, 16, 32, 32, 128, 1e4, 1e-5, 2048, False, False)
 ALL7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -64,6 +72,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=EngineConfig().loader_workers(), help="default: the engine's")
     ap.add_argument("--single-loads", type=int, default=20, help="loads timed one at a time, per loader")
+    ap.add_argument("--fault-loads", type=int, default=10, help="loads into new extents, per loader")
+    ap.add_argument("--fault-shape", choices=("smollm2", "llama-7b"), default="smollm2")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="loading-"))
@@ -78,13 +88,13 @@ def main() -> None:
     phases = ("idle", *loaders)
     seed = 0
 
-    def specs(n: int) -> list:  # type: ignore[type-arg]
+    def specs(n: int, arch: ModelArch = SMOLLM2) -> list:  # type: ignore[type-arg]
         nonlocal seed
         out = []
         for _ in range(n):
             seed += 1
-            folder = write_adapter(tmp / f"a{seed}", arch=SMOLLM2, rank=16, alpha=16, modules=ALL7, seed=seed)
-            out.append(read_spec(folder, SMOLLM2, 16))
+            folder = write_adapter(tmp / f"a{seed}", arch=arch, rank=16, alpha=16, modules=ALL7, seed=seed)
+            out.append(read_spec(folder, arch, 16))
         return out
 
     def load_all(loader: AdapterLoader, batch: list) -> None:  # type: ignore[type-arg]
@@ -123,6 +133,7 @@ def main() -> None:
     for loader in loaders.values():
         loader.close()
     arena.close()
+    faults = loads_into_new_extents(args, specs)
     med = statistics.median
     print("\n== summary ==")
     longest = ", ".join(f"{phase} {med(worst[phase]) * 1e3:.1f} ms" for phase in phases)
@@ -140,6 +151,42 @@ def main() -> None:
         f"one load on its own (median of {args.single_loads}): split over {args.workers} processes by layers "
         f"{split * 1e3:.1f} ms, one process {one * 1e3:.1f} ms: {split / one:.2f}x"
     )
+    populated, lazy = med(faults["populated"]), med(faults["lazy"])
+    print(
+        f"one {args.fault_shape} load into new extents (median of {args.fault_loads}, {args.workers} processes): "
+        f"arena mapped populated {populated * 1e3:.1f} ms, lazily {lazy * 1e3:.1f} ms: {populated / lazy:.2f}x"
+    )
+
+
+def loads_into_new_extents(args: argparse.Namespace, specs: Callable[..., list]) -> dict[str, list[float]]:  # type: ignore[type-arg]
+    """Seconds per load, each into an extent no loader process wrote before, by workers that mapped the arena
+    populated at start and by workers that map it lazily; alternating, the same file for both."""
+    arch = LLAMA_7B_16 if args.fault_shape == "llama-7b" else SMOLLM2
+    layout = LoRAStacks(arch, 1, 16, torch.bfloat16, torch.device("cpu"), fused=True).layout
+    assert layout is not None
+    batch = specs(args.fault_loads + 1, arch)
+    image_bytes = layout.image_size(image_groups(batch[0].modules), 16) * 2
+    arena = PinnedArena(2 * len(batch) * (image_bytes + (1 << 20)), pin=torch.cuda.is_available())
+    # Every page of the segment exists first, as a pinned arena's do: only the mapping's page tables differ.
+    everything = arena.take(arena.pages * arena.page_bytes, torch.uint8)
+    assert everything is not None
+    everything.fill_(0)
+    arena.give_back(everything)
+    loaders = {
+        "populated": ProcessLoader(torch.bfloat16, layout, args.workers, arena),
+        "lazy": ProcessLoader(torch.bfloat16, layout, args.workers, arena, populate_arena=False),
+    }
+    times: dict[str, list[float]] = {name: [] for name in loaders}
+    for i, spec in enumerate(batch):  # the first load of each warms its workers up, untimed
+        for name, loader in loaders.items():
+            start = time.perf_counter()
+            loader.submit(spec).result()  # its extent is kept: the next load's is new
+            if i:
+                times[name].append(time.perf_counter() - start)
+    for loader in loaders.values():
+        loader.close()
+    arena.close()
+    return times
 
 
 if __name__ == "__main__":

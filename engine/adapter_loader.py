@@ -71,11 +71,11 @@ class ThreadLoader:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _worker_init(arena: str | None) -> None:
+def _worker_init(arena: str | None, populate: bool) -> None:
     torch.set_num_threads(1)  # one adapter per worker; leave the cores to the engine
     if arena is not None:
         try:
-            map_arena(arena)  # its page tables filled now, not page by page inside loads
+            map_arena(arena, populate)  # its page tables filled now, not page by page inside loads
         except OSError:  # (the arena closed meanwhile: an engine stopping) a raising initializer breaks the pool
             log.warning("a loader process could not map the adapter arena %s", arena, exc_info=True)
 
@@ -89,10 +89,18 @@ class ProcessLoader:
     once, for a second or more, which the first cold load would otherwise wait for)."""
 
     def __init__(
-        self, dtype: torch.dtype, layout: SlotLayout | None, workers: int = 2, arena: PinnedArena | None = None
+        self,
+        dtype: torch.dtype,
+        layout: SlotLayout | None,
+        workers: int = 2,
+        arena: PinnedArena | None = None,
+        populate_arena: bool = True,
     ) -> None:
-        """With `arena` (and fused stacks' `layout`), one load is split over all `workers`, by layers."""
+        """With `arena` (and fused stacks' `layout`), one load is split over all `workers`, by layers. Each
+        worker maps the arena as it starts, its page tables filled (`map_arena`); `populate_arena=False` leaves
+        them to fill page by page as loads write (bench/adapter_loading.py compares)."""
         self._dtype, self._layout, self._arena = dtype, layout, arena
+        self._populate_arena = populate_arena
         self._pin = torch.cuda.is_available()
         self._workers = workers
         self._lock = threading.RLock()  # load callbacks on the pool's threads may restart it too
@@ -105,7 +113,7 @@ class ProcessLoader:
             max_workers=self._workers,
             mp_context=context,
             initializer=_worker_init,
-            initargs=(self._arena.name if self._arena is not None else None,),
+            initargs=(self._arena.name if self._arena is not None else None, self._populate_arena),
         )
         for _ in range(self._workers):  # the pool starts one more worker per task while none is idle
             executor.submit(_started)

@@ -157,7 +157,7 @@ def shared_arena_fits(nbytes: int) -> bool:
 _attached: dict[str, mmap.mmap] = {}
 
 
-def map_arena(name: str) -> mmap.mmap:
+def map_arena(name: str, populate: bool = True) -> mmap.mmap:
     """In a loader process: shared arena `name`, mapped whole once, with every page table entry filled at once
     (MAP_POPULATE). Mapped lazily, a load's first write to each page of an extent this process had not
     touched yet took a fault: a part of 2 Llama-7B layers took 4.7-8.9 ms to pack into a new extent against
@@ -165,13 +165,15 @@ def map_arena(name: str) -> mmap.mmap:
     start (`adapter_loader`), before any load waits for them.
 
     Mapped from /dev/shm directly rather than through `SharedMemory(name=...)`, which would register the name
-    with the resource tracker once more."""
+    with the resource tracker once more. `populate=False` maps it lazily, as before (bench/adapter_loading.py
+    compares)."""
     mapped = _attached.get(name)
     if mapped is None:
         fd = os.open(os.path.join(_SHM_DIR, name.lstrip("/")), os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
-            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            populated = getattr(mmap, "MAP_POPULATE", 0) if populate else 0
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populated)
         finally:
             os.close(fd)
         _attached[name] = mapped
