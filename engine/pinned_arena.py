@@ -161,8 +161,9 @@ def map_arena(name: str, populate: bool = True) -> mmap.mmap:
     """In a loader process: shared arena `name`, mapped whole once, with every page table entry filled at once
     (MAP_POPULATE). Mapped lazily, a load's first write to each page of an extent this process had not
     touched yet took a fault: a part of 2 Llama-7B layers took 4.7-8.9 ms to pack into a new extent against
-    1.5 ms into one written before (one core; bench/RESULTS-gpu.md, stop 28). Loader processes map it as they
-    start (`adapter_loader`), before any load waits for them.
+    1.5 ms into one written before (one process on the 2-core development machine), and on an H100 host
+    each loader process's share of a hot swap took 9-14 ms against 4.4-6.1 ms populated (bench/RESULTS-gpu.md,
+    stop 28). Loader processes map it as they start (`adapter_loader`), before any load waits for them.
 
     Mapped from /dev/shm directly rather than through `SharedMemory(name=...)`, which would register the name
     with the resource tracker once more. `populate=False` maps it lazily, as before (bench/adapter_loading.py
