@@ -434,8 +434,7 @@ class LLMEngine:
             return
         self._drain_commands()
         upcoming = [s.adapter for s in self.scheduler.upcoming() if s.adapter is not None]
-        if upcoming:
-            self.pool.fill_ahead(upcoming, self.fills_ahead)
+        self.pool.fill_ahead(upcoming, self.fills_ahead)  # (also a hot swap's new version, with none upcoming)
 
     def _ends_by_length(self, seq: Sequence) -> bool:
         """Whether the token in flight for `seq` ends it by max_tokens or the context length."""

@@ -118,6 +118,9 @@ class AdapterPool:
         self._slots: list[AdapterVersion | None] = [None] * stacks.slots
         # Filled ahead for a waiting request that has not acquired them yet: other fills ahead leave them be.
         self._unclaimed: set[AdapterVersion] = set()
+        # Versions a hot swap made current while their predecessor held a slot: the next fill-ahead pass copies
+        # them into one, as if a request for them were next in line (`fill_ahead`).
+        self._successors: list[AdapterVersion] = []
         self._loader: AdapterLoader = loader if loader is not None else ThreadLoader(dtype, stacks.layout)
         self.on_loaded: list[Callable[[], None]] = []
         self.loads_started = 0
@@ -276,8 +279,17 @@ class AdapterPool:
         work overlaps the GPU's, and their copies are done by the time the next step prefills the requests:
         a cold request then joins the batch like a warm one instead of lengthening the step it joins. Takes
         free slots or idle adapters', never the slot of an upcoming request's adapter.
+
+        A hot swap's new version, whose predecessor held a slot, counts as upcoming in the first pass after the
+        swap (after the requests' own adapters): the first request on it then waits for no copy (at Llama-7B
+        dims, 16 layers, a 38 MiB image takes 0.74 ms host to GPU). After that pass it is an idle adapter like
+        any other, which the eviction policy may take.
         """
         with self._lock:
+            if not upcoming and not self._successors:  # (the engine calls this every step)
+                return 0
+            successors, self._successors = self._successors, []
+            upcoming = upcoming + [v for v in successors if not v.retired and v not in upcoming]
             self._unclaimed.intersection_update(upcoming)  # a request that left the queue holds no fill
             spare = set(upcoming)  # an upcoming request's adapter, resident or filled ahead, stays
             filled = 0
@@ -344,6 +356,8 @@ class AdapterPool:
                     old = self._by_name.get(version.name)
                     self._by_name[version.name] = version
                     if old is not None:
+                        if old.slot is not None:  # in use lately: its next request should find it in a slot
+                            self._successors.append(version)
                         self._retire(old)
                 if version.retired and version.active == 0:
                     self._drop(version)  # replaced or unloaded while loading, and nobody waits for it

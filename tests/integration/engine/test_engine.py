@@ -305,6 +305,36 @@ def test_a_request_waiting_through_a_hot_swap_starts_on_the_new_version(tmp_path
         eng.stop()
 
 
+def test_a_hot_swap_of_an_adapter_in_use_fills_the_new_version_into_a_slot_ahead(tmp_path: Path) -> None:
+    """The step after a swap of an adapter that holds a slot copies the new version into a slot before any
+    request asks for it, so the first request on it waits for no copy; it then decodes as the same weights
+    loaded afresh do."""
+    from engine.config import EngineConfig
+
+    eng = LLMEngine(EngineConfig(max_num_seqs=2, max_model_len=128, lora_slots=3))
+    try:
+        v1 = write_adapter(tmp_path / "v1", arch=eng.arch, rank=8, seed=1)
+        v2 = write_adapter(tmp_path / "v2", arch=eng.arch, rank=8, seed=2)
+        eng.load_adapter("swap", str(v1), wait=True)
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        old = run(eng, "old", chat(eng, "Count to ten."), params, adapter="swap")
+        eng._drain_commands()
+        eng.step()  # v1 in a slot, decoding
+        new = eng.load_adapter("swap", str(v2), wait=True)
+        assert new.slot is None
+        eng.step()
+        assert new.slot is not None and eng.pool.cache_stats().fills_ahead == 1
+        first = run(eng, "first", chat(eng, "Name a colour."), params, adapter="swap")
+        eng.run_until_idle()
+        eng.load_adapter("fresh", str(v2), wait=True)
+        fresh = run(eng, "fresh", chat(eng, "Name a colour."), params, adapter="fresh")
+        eng.run_until_idle()
+        assert old.outputs[-1].finish_reason == first.outputs[-1].finish_reason == "length"
+        assert first.token_ids == fresh.token_ids
+    finally:
+        eng.stop()
+
+
 @pytest.mark.parametrize(("max_tokens", "timeout_s", "reason"), [(12, 60.0, "length"), (2000, 0.3, "error")])
 def test_a_draining_engine_finishes_what_it_holds_and_refuses_the_rest(
     max_tokens: int, timeout_s: float, reason: str

@@ -293,6 +293,37 @@ def test_a_fill_ahead_is_kept_for_its_request_until_that_leaves_the_queue(pool: 
     assert pool.acquire(b) is not None and pool.acquire(c) is None  # both slots now busy
 
 
+def test_a_hot_swap_fills_the_new_version_ahead_when_the_old_one_held_a_slot(pool: AdapterPool, tmp_path: Path) -> None:
+    """The first request on a swapped-in version finds it in a slot: the fill-ahead pass after the swap copies
+    it, once, even with no request queued for it; a swap of an adapter in no slot fills nothing."""
+    hot = _loaded(pool, "hot", write_adapter(tmp_path / "hot1", seed=1))
+    cold = _loaded(pool, "cold", write_adapter(tmp_path / "cold1", seed=2))
+    pool.acquire(hot)  # a request runs on it, and keeps running through the swap
+    new_hot = _loaded(pool, "hot", write_adapter(tmp_path / "hot2", seed=3))
+    new_cold = _loaded(pool, "cold", write_adapter(tmp_path / "cold2", seed=4))
+    assert pool.lookup("hot") is new_hot and hot.retired and hot.slot is not None
+    assert cold.retired and cold.slot is None
+    assert pool.fill_ahead([], most=2) == 1
+    assert new_hot.state is AdapterState.RESIDENT and new_cold.state is AdapterState.HOST
+    assert pool.fill_ahead([], most=2) == 0  # once
+    slot = new_hot.slot
+    assert pool.acquire(new_hot) == slot
+    assert pool.fills_ahead == 1
+
+
+def test_a_swapped_in_version_filled_ahead_is_evictable_like_any_idle_one(pool: AdapterPool, tmp_path: Path) -> None:
+    """After its pass, a swapped-in version no request has asked for holds its slot only as long as the
+    eviction policy keeps it: no slot is kept for a version nobody uses."""
+    a = _loaded(pool, "a", write_adapter(tmp_path / "a1", seed=1))
+    pool.acquire(a)
+    pool.release(a, tokens=1)  # idle in its slot
+    new_a = _loaded(pool, "a", write_adapter(tmp_path / "a2", seed=2))  # a dropped at once: nothing runs on it
+    assert a.slot is None and pool.fill_ahead([], most=2) == 1 and new_a.slot is not None
+    b, c = (_loaded(pool, n, write_adapter(tmp_path / n, seed=i)) for i, n in enumerate("bc", start=3))
+    assert pool.acquire(b) is not None and pool.acquire(c) is not None  # two slots: new_a's went
+    assert new_a.slot is None
+
+
 def _hold_loads(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Make the thread loader's loads wait until the returned event is set."""
     from engine import adapter_loader as loader_module
