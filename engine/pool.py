@@ -285,9 +285,11 @@ class AdapterPool:
         dims, 16 layers, a 38 MiB image takes 0.74 ms host to GPU). After that pass it is an idle adapter like
         any other, which the eviction policy may take.
         """
+        # The engine calls this every step: with nothing to fill, it returns without the lock. A successor a
+        # loader thread appends meanwhile is seen by the next step's call.
+        if not upcoming and not self._successors:
+            return 0
         with self._lock:
-            if not upcoming and not self._successors:  # (the engine calls this every step)
-                return 0
             successors, self._successors = self._successors, []
             upcoming = upcoming + [v for v in successors if not v.retired and v not in upcoming]
             self._unclaimed.intersection_update(upcoming)  # a request that left the queue holds no fill
