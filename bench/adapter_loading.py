@@ -35,8 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from gateway_rest import percentile  # a sibling script (bench/ is this script's sys.path entry)
 
+from bench.percentiles import percentile  # (not from gateway_rest: it imports grpc)
 from engine.adapter_loader import AdapterLoader, ProcessLoader, ThreadLoader
 from engine.adapters import read_spec
 from engine.config import EngineConfig, ModelArch

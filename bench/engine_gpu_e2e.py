@@ -352,6 +352,7 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], col
 
         gc_pauses: list[float] = []
         gc_start = [0.0]
+        waited: dict[str, int] = {}  # joiners' iterations spent waiting (--trace)
         joins: list[Future[None]] = []
 
         def on_gc(phase: str, info: dict[str, int]) -> None:
@@ -387,6 +388,8 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], col
             t1 = time.perf_counter()
             eng._drain_commands()
             t2 = time.perf_counter()
+            if TRACE:
+                explain_waits(eng, tag, k, waited)
             eng.step()
             t3 = time.perf_counter()
             sync()
@@ -499,6 +502,31 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], col
         f"{p99(cold_lora) / p99(cold_lora_on_admission):.2f}x); their own TTFT p50 "
         f"{p50(joiner_ttft['ol']) * 1e3:.2f} against {p50(joiner_ttft['oa']) * 1e3:.2f} ms"
     )
+
+
+def explain_waits(eng: LLMEngine, tag: str, k: int, waited: dict[str, int]) -> None:
+    """Diagnostics (--trace): before iteration `k`'s step, why each joiner still waiting after 3 iterations is
+    not admitted; printed once per request."""
+    pool = eng.pool
+    for seq in eng.scheduler.waiting:
+        if not seq.request_id.startswith("xq"):
+            continue
+        waited[seq.request_id] = waited.get(seq.request_id, 0) + 1
+        if waited[seq.request_id] != 3:
+            continue
+        v = seq.adapter
+        holders = ", ".join(f"{h.name}#{h.id}(active {h.active})" if h is not None else "free" for h in pool._slots)
+        about = (
+            "base"
+            if v is None
+            else f"{v.name}#{v.id} slot {v.slot} weights {v.weights is not None} loading {v.loading is not None} "
+            f"retired {v.retired} current {pool.current(v) is v}"
+        )
+        print(
+            f"  [waits {tag}] {seq.request_id} waiting 3 iterations at {k}: adapter {about}; kv free "
+            f"{eng.kv.free_slots}, waiting {len(eng.scheduler.waiting)}, running {len(eng.scheduler.running)}, "
+            f"ahead {[s.request_id for s in eng.scheduler.waiting[:3]]}; slots: {holders}"
+        )
 
 
 def print_trace(eng: LLMEngine, label: str) -> None:

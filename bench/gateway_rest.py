@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import subprocess
 import sys
@@ -32,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.percentiles import percentile  # noqa: E402  (fairness_live imports it from here)
 from engine import engine_pb2 as pb  # noqa: E402
 from engine import engine_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -70,16 +70,6 @@ class Run:
         if self.errors:
             out += f"  ERRORS {self.errors}"
         return out
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The nearest-rank `q` quantile (0 < q <= 1): the smallest value with at least q of them at or below it.
-    (Indexing at int(q * n) read one rank high: the p99 of 100 samples was their maximum.)"""
-    data = sorted(values)
-    if not data:
-        return float("nan")
-    rank = math.ceil(q * len(data) - 1e-9)  # the tolerance keeps 0.07 * 100 = 7.000000000000001 at rank 7
-    return data[min(len(data), max(rank, 1)) - 1]
 
 
 def cpu_seconds(pid: int) -> float:
