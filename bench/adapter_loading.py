@@ -24,7 +24,6 @@ page fault at each first write (before), alternating. `--fault-shape llama-7b` l
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import tempfile
@@ -124,18 +123,11 @@ def main() -> None:
             )
     whole = ProcessLoader(torch.bfloat16, layout, 1, arena)
     load_all(whole, specs(2))
-    single: dict[str, list[float]] = {"split": [], "reparsed": [], "whole": []}
-    for i, spec in enumerate(specs(args.single_loads)):  # the same file for all, in the page cache
-        # "reparsed": each part parses the file's header itself, as before parts took the check's. The order
-        # turns each time: the first load of a new file was the slowest.
-        variants = [
-            ("split", loaders["shared"], spec),
-            ("reparsed", loaders["shared"], dataclasses.replace(spec, header=None)),
-            ("whole", whole, spec),
-        ]
-        for name, loader, form in variants[i % 3 :] + variants[: i % 3]:
+    single: dict[str, list[float]] = {"split": [], "whole": []}
+    for spec in specs(args.single_loads):  # the same file for both, alternating: one in the page cache
+        for name, loader in (("split", loaders["shared"]), ("whole", whole)):
             start = time.perf_counter()
-            load_all(loader, [form])
+            load_all(loader, [spec])
             single[name].append(time.perf_counter() - start)
     whole.close()
     for loader in loaders.values():
@@ -154,14 +146,10 @@ def main() -> None:
         f"step-loop stall while {args.adapters} adapters load (median of {args.rounds} rounds): longest gap {longest}"
     )
     print(f"  {ratios}")
-    split, one, reparsed = med(single["split"]), med(single["whole"]), med(single["reparsed"])
+    split, one = med(single["split"]), med(single["whole"])
     print(
         f"one load on its own (median of {args.single_loads}): split over {args.workers} processes by layers "
         f"{split * 1e3:.1f} ms, one process {one * 1e3:.1f} ms: {split / one:.2f}x"
-    )
-    print(
-        f"  split, each part mapping by the check's header {split * 1e3:.1f} ms, each parsing the header again "
-        f"{reparsed * 1e3:.1f} ms: {split / reparsed:.2f}x"
     )
     populated, lazy = med(faults["populated"]), med(faults["lazy"])
     print(

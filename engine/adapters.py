@@ -11,9 +11,8 @@ import math
 import mmap
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
 
 import torch
 
@@ -33,28 +32,6 @@ class AdapterError(ValueError):
     """The adapter cannot be used with this engine; the message says why."""
 
 
-class TensorPlace(NamedTuple):
-    """Where one tensor of a weights file lies: its layer, dtype (safetensors' name: plain values pickle fast
-    to loader processes, where unpickling 420 `torch.dtype`s took 5.6 ms), shape and byte offset in the file."""
-
-    name: str
-    layer: int
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-
-
-@dataclass(frozen=True, slots=True)
-class WeightsHeader:
-    """The weights file's tensors as its check found them, and the file's identity then (device, inode, size,
-    modification time). Loader processes that find the same file map their layers by it without parsing the
-    header again: at Llama-7B dims, 32 layers, that parse and the walk over its 448 names were 1.6 ms of a
-    4-layer part's 5.8 on one core (bench/RESULTS-gpu.md)."""
-
-    identity: tuple[int, int, int, int]
-    tensors: tuple[TensorPlace, ...]
-
-
 @dataclass(frozen=True, slots=True)
 class AdapterSpec:
     """An adapter's validated configuration (weights not loaded)."""
@@ -64,8 +41,6 @@ class AdapterSpec:
     alpha: float
     use_rslora: bool
     modules: frozenset[str]
-    # None where the file changed during its check: each loader process then parses the header itself.
-    header: WeightsHeader | None = field(default=None, compare=False, repr=False)
 
     @property
     def scaling(self) -> float:
@@ -91,9 +66,9 @@ def read_spec(path: str | Path, arch: ModelArch, max_rank: int) -> AdapterSpec:
     for flag in ("use_dora", "fan_in_fan_out"):
         if config.get(flag):
             raise AdapterError(f"{folder}: {flag}=true is not supported")
-    for setting in ("rank_pattern", "alpha_pattern", "layers_to_transform", "modules_to_save"):
-        if config.get(setting):
-            raise AdapterError(f"{folder}: {setting} is not supported")
+    for field in ("rank_pattern", "alpha_pattern", "layers_to_transform", "modules_to_save"):
+        if config.get(field):
+            raise AdapterError(f"{folder}: {field} is not supported")
     if config.get("bias", "none") != "none":
         raise AdapterError(f"{folder}: bias={config.get('bias')!r} is not supported (only 'none')")
     rank = config.get("r")
@@ -105,26 +80,22 @@ def read_spec(path: str | Path, arch: ModelArch, max_rank: int) -> AdapterSpec:
     # Python's JSON reads NaN and Infinity: such a scaling would make every output of the adapter NaN.
     if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise AdapterError(f"{folder}: lora_alpha must be a finite number, got {alpha!r}")
-    modules, header = _check_weights_header(folder, arch, rank)
+    modules = _check_weights_header(folder, arch, rank)
     targets = config.get("target_modules")
     if isinstance(targets, list):
         unsupported = sorted(set(targets) - set(LORA_MODULES))
         if unsupported:
             raise AdapterError(f"{folder}: unsupported target modules {unsupported} (supported: {list(LORA_MODULES)})")
-    return AdapterSpec(folder, rank, float(alpha), bool(config.get("use_rslora", False)), modules, header)
+    return AdapterSpec(folder, rank, float(alpha), bool(config.get("use_rslora", False)), modules)
 
 
-def _check_weights_header(folder: Path, arch: ModelArch, rank: int) -> tuple[frozenset[str], WeightsHeader | None]:
-    """The modules the weights file holds, each tensor checked against the base model, and where its tensors
-    lie (None if the file was replaced while it was read)."""
+def _check_weights_header(folder: Path, arch: ModelArch, rank: int) -> frozenset[str]:
     from safetensors import SafetensorError, safe_open
 
     shapes = arch.projection_shapes()
     modules: set[str] = set()
-    path = folder / WEIGHTS_FILE
     try:
-        opened = os.stat(path)
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as f:
             keys = list(f.keys())
             for key in keys:
                 match = _KEY.match(key)
@@ -145,34 +116,13 @@ def _check_weights_header(folder: Path, arch: ModelArch, rank: int) -> tuple[fro
                         f"{folder}: {key!r} has shape {shape}, base model needs {expected} (wrong base model?)"
                     )
                 modules.add(module)
-            places = _places(f, folder, opened.st_size, arch.num_layers)
-        same_file = _identity(os.stat(path)) == _identity(opened)
     except SafetensorError as exc:
         raise AdapterError(f"{folder}: corrupt {WEIGHTS_FILE} ({exc})") from exc
     except OSError as exc:
         raise AdapterError(f"{folder}: cannot read {WEIGHTS_FILE} ({exc})") from exc
     if not modules:
         raise AdapterError(f"{folder}: {WEIGHTS_FILE} holds no LoRA weights")
-    return frozenset(modules), WeightsHeader(_identity(opened), places) if same_file else None
-
-
-def _places(f: Any, folder: Path, file_size: int, num_layers: int) -> tuple[TensorPlace, ...]:
-    """Where each tensor of the open safetensors file `f` lies. safetensors parses and validates the header:
-    names, dtypes, shapes, and tensors that lie back to back, in `offset_keys` order, up to the end of the
-    file. So a tensor starts where the ones before it end, counted back from the file's end."""
-    entries = []
-    for name in f.offset_keys():
-        info = f.get_slice(name)
-        dtype = info.get_dtype()
-        _float_dtype(folder, name, dtype)
-        entries.append((name, dtype, tuple(info.get_shape())))
-    sizes = [math.prod(shape) * _FLOAT_DTYPES[dtype].itemsize for _, dtype, shape in entries]
-    offset = file_size - sum(sizes)
-    places: list[TensorPlace] = []
-    for (name, dtype, shape), size in zip(entries, sizes, strict=True):
-        places.append(TensorPlace(name, _layer_of(folder, name, num_layers), dtype, shape, offset))
-        offset += size
-    return tuple(places)
+    return frozenset(modules)
 
 
 def load_adapter(
@@ -234,7 +184,7 @@ def load_layers_into(
     from safetensors import SafetensorError
 
     try:
-        tensors = _pairs(spec.path, _mapped_layers(spec.path, layout.num_layers, layers, spec.header))
+        tensors = _pairs(spec.path, _mapped_layers(spec.path, layout.num_layers, layers))
     except AdapterError:
         raise
     except (SafetensorError, OSError, ValueError) as exc:  # ValueError: mmap of a file emptied meanwhile
@@ -248,39 +198,37 @@ def load_layers_into(
         raise AdapterError(f"{spec.path}: {_non_finite(tensors, dtype)} contains NaN or infinite values (in {dtype})")
 
 
-def _mapped_layers(
-    folder: Path, num_layers: int, layers: range, header: WeightsHeader | None = None
-) -> dict[str, torch.Tensor]:
+def _mapped_layers(folder: Path, num_layers: int, layers: range) -> dict[str, torch.Tensor]:
     """The file's tensors of `layers`, as views of a private memory map of it: packing them reads the page
     cache directly, without first copying every tensor out of the file (which took as long as the packing).
 
-    Where the tensors lie (`_places`) comes from `header`, the check's, when the file opened now is the one
-    checked (same identity); otherwise from the header parsed again here. The file is mapped through the
-    handle it was checked by, and a path that no longer names that file (replaced meanwhile) is refused.
+    safetensors parses and validates the header: names, dtypes, shapes, and tensors that lie back to back,
+    in `offset_keys` order, up to the end of the file. So a tensor starts where the ones before it end,
+    counted back from the file's end. The file is mapped through the handle it was checked by, and a path
+    that no longer names that file (replaced meanwhile) is refused.
     """
     from safetensors import safe_open
 
     path = folder / WEIGHTS_FILE
     with path.open("rb") as handle:
         opened = os.fstat(handle.fileno())
-        if header is not None and header.identity == _identity(opened):
-            places = header.tensors
-        else:
-            with safe_open(str(path), framework="pt") as f:
-                places = _places(f, folder, opened.st_size, num_layers)
-            if _identity(os.stat(path)) != _identity(opened):
-                raise AdapterError(f"{folder}: {WEIGHTS_FILE} was replaced while it loaded")
+        with safe_open(str(path), framework="pt") as f:
+            slices = [(name, f.get_slice(name)) for name in f.offset_keys()]
+            entries = [(name, _float_dtype(folder, name, s.get_dtype()), s.get_shape()) for name, s in slices]
+        if _identity(os.stat(path)) != _identity(opened):
+            raise AdapterError(f"{folder}: {WEIGHTS_FILE} was replaced while it loaded")
         mapped = mmap.mmap(handle.fileno(), opened.st_size, access=mmap.ACCESS_COPY)
     data = torch.frombuffer(mapped, dtype=torch.uint8)
+    sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in entries]
+    offset = opened.st_size - sum(sizes)
     tensors: dict[str, torch.Tensor] = {}
-    for place in places:
-        if place.layer in layers:
-            dtype = _FLOAT_DTYPES[place.dtype]
-            size = math.prod(place.shape) * dtype.itemsize
-            raw = data[place.offset : place.offset + size]
-            if place.offset % dtype.itemsize:  # (the format does not promise aligned tensors: copy that one)
+    for (name, dtype, shape), size in zip(entries, sizes, strict=True):
+        if _layer_of(folder, name, num_layers) in layers:
+            raw = data[offset : offset + size]
+            if offset % dtype.itemsize:  # (the format does not promise aligned tensors: copy that one)
                 raw = raw.clone()
-            tensors[place.name] = raw.view(dtype).view(place.shape)
+            tensors[name] = raw.view(dtype).view(shape)
+        offset += size
     return tensors
 
 
