@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from engine import kernels_gemm_lora, lora
+from engine import kernels_gemm_lora
 from engine.adapter_loader import ProcessLoader
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -821,12 +821,6 @@ def main() -> None:
         help="largest row tile of the one-adapter LoRA GEMM for the engines sections d, j, t and f compare "
         "(64: a step of 65-128 rows in two tiles, as before; default: the engine's)",
     )
-    ap.add_argument(
-        "--slot-fill-parts",
-        default="on",
-        help="on,off: engines whose CUDA slot fills copy layers in parts that steps wait for layer by layer (on), "
-        "or whole before the step (off), side by side",
-    )
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
     ap.add_argument(
         "--async-steps",
@@ -876,28 +870,26 @@ def main() -> None:
     prompt = Tokenizer(resolve_model(str(b.model))).encode_chat([("user", PROMPT)])
     # Cold starts, loads under traffic and hot swap, once per adapter loader, side by side in this run.
     configs = [
-        (loader, float(ms), int(mb), int(workers), fold, int(row_tile), parts)
+        (loader, float(ms), int(mb), int(workers), fold, int(row_tile))
         for loader in args.loaders.split(",")
         for ms in args.switch_intervals.split(",")
         for mb in (args.pinned_mb.split(",") if loader == "process" else ["0"])  # threads use no arena
         for workers in (args.loader_workers.split(",") if loader == "process" else ["0"])
         for fold in args.fold_prompt_tokens.split(",")
         for row_tile in args.lora_gemm_row_tile.split(",")
-        for parts in args.slot_fill_parts.split(",")
     ]
     if not {"d", "f", "t", "j"}.intersection(args.only):
         configs = []
-    for loader, switch_ms, pinned_mb, workers, fold, row_tile, parts in configs:
+    for loader, switch_ms, pinned_mb, workers, fold, row_tile in configs:
         arena = f", shared arena {pinned_mb} MiB" if loader == "process" else ""
         split = (
             f", {EngineConfig(adapter_loader_workers=workers).loader_workers()} workers" if loader == "process" else ""
         )
         LOADER = (
             f"{loader} loader, GIL switch {switch_ms or 5:g} ms{arena}{split}, prompts folded up to {fold}, "
-            f"LoRA GEMM row tile up to {row_tile}, slot fills {'in parts' if parts == 'on' else 'whole'}"
+            f"LoRA GEMM row tile up to {row_tile}"
         )
         kernels_gemm_lora.MAX_BLOCK_M = row_tile  # read as the engine captures its graphs
-        lora.FILL_IN_PARTS = parts == "on"  # read as the engine makes its LoRA stacks
         eng = b.engine(
             fold_prompt_tokens=int(fold),
             adapter_loader=loader,

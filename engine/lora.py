@@ -236,19 +236,6 @@ class LoRAStacks:
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ready: list[torch.cuda.Event | None] = [None] * slots
         self._fill_views: dict[tuple[int, tuple[str, ...], int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        # A packed fill on CUDA copies its layers in parts (`fill_parts`), each part's end recorded by an event,
-        # and a step's layers wait for the parts they read (`wait_layers`), not for the whole fill: the step that
-        # a request from host RAM joins then starts while the later layers still copy. The events are external
-        # so that captured graphs hold wait nodes for them, which wait for the records made before the graph's
-        # launch (probed on an H100, bench/RESULTS-gpu.md stop 29). Recorded once here: a wait on an event never
-        # recorded captures nothing.
-        in_parts = FILL_IN_PARTS and self._copy_stream is not None and fused
-        self._parts = fill_parts(arch.num_layers) if in_parts else []
-        self._part_at = {part.start: i for i, part in enumerate(self._parts)}
-        self._parts_device = device
-        self._parts_copied = [torch.cuda.Event(external=True) for _ in self._parts]
-        for event in self._parts_copied:
-            event.record(self._copy_stream)
 
     @property
     def copy_stream(self) -> torch.cuda.Stream | None:
@@ -280,25 +267,16 @@ class LoRAStacks:
         stream = self._copy_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
-        in_parts = bool(self._parts) and adapter.packed is not None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            if in_parts:
-                # The slot's ranks first: every part's event then covers them, and the layers of a step that
-                # waited for its part read the new ranks beside the new weights.
-                self._write_slot(slot, r, adapter.scaling, adapter.modules)
-                self._copy_packed_in_parts(slot, adapter, self._parts, self._parts_copied)
+            if adapter.packed is not None:
+                self._copy_packed(slot, adapter)
             else:
-                if adapter.packed is not None:
-                    self._copy_packed(slot, adapter)
-                else:
-                    self._copy_loose(slot, adapter)
-                self._write_slot(slot, r, adapter.scaling, adapter.modules)
-        if stream is not None and not in_parts:
+                self._copy_loose(slot, adapter)
+            self._write_slot(slot, r, adapter.scaling, adapter.modules)
+        if stream is not None:
             event = torch.cuda.Event()
             event.record(stream)
             self._ready[slot] = event
-        elif in_parts:
-            self._ready[slot] = None  # the steps' layers wait for the parts (`wait_layers`)
         self.slot_ranks[slot] = r
         self.slot_scalings[slot] = adapter.scaling
         self.slot_modules[slot] = adapter.modules
@@ -329,34 +307,6 @@ class LoRAStacks:
             torch._foreach_zero_(padding)
         if dst:
             torch._foreach_copy_(dst, src)
-
-    def _copy_packed_in_parts(
-        self, slot: int, adapter: AdapterWeights, parts: list[range], events: list[torch.cuda.Event] | None
-    ) -> None:
-        """`_copy_packed` part by part of the layers (`fill_parts`), recording each part's event (when given)
-        once its layers are in the slot, on the current stream (the copy stream)."""
-        assert adapter.packed is not None and self._staging is not None and self.layout is not None
-        r = adapter.rank
-        host = [t for pair in self.layout.images(adapter.packed, adapter.packed_groups, r) for t in pair]
-        staged = self._staged_views(adapter.packed_groups, r)
-        dst, padding = self._slot_views(slot, adapter.packed_groups, r)
-        for i, part in enumerate(parts):
-            layers = slice(part.start, part.stop)
-            for into, image in zip(staged, host, strict=True):
-                into[layers].copy_(image[layers], non_blocking=True)
-            if padding:
-                torch._foreach_zero_([t[layers] for t in padding])
-            torch._foreach_copy_([t[layers] for t in dst], [t[layers] for t in staged])
-            if events is not None:
-                events[i].record()
-
-    def wait_layers(self, layer: int) -> None:
-        """Make the current stream wait, before `layer`, for the copies of every slot fill made so far into the
-        layers of the part starting there (CUDA fills in parts; a no-op at other layers and elsewhere). A step's
-        forward calls this at each layer, so that a captured graph waits at each part's first layer."""
-        part = self._part_at.get(layer)
-        if part is not None:
-            torch.cuda.current_stream(self._parts_device).wait_event(self._parts_copied[part])
 
     def _staged_views(self, groups: tuple[str, ...], rank: int) -> list[torch.Tensor]:
         """A and B of each of `groups` in the staging buffer, for an image of `rank` (made once)."""
@@ -442,26 +392,6 @@ class LoRAStacks:
         self.slot_scalings[slot] = 0.0
         self.slot_modules[slot] = frozenset()
         self._ready[slot] = None
-
-
-# Whether CUDA stacks fill slots in parts (`LoRAStacks.set_lora`), read as stacks are made. A module setting so
-# that benches can measure an engine filling whole slots beside one filling in parts
-# (bench/engine_gpu_e2e.py --slot-fill-parts on,off).
-FILL_IN_PARTS = True
-
-
-def fill_parts(num_layers: int) -> list[range]:
-    """The layers of a slot fill in parts that double in length: 1, 2, 4, ... layers, the last part taking the
-    rest. A step waits at its first layer only for the first part (one layer's copy), and each later part is
-    copied while the layers before it compute (at Llama-7B dims a layer's copy from host RAM takes about 0.05
-    ms, its compute in a decode step about 0.25)."""
-    parts: list[range] = []
-    start, length = 0, 1
-    while start < num_layers:
-        stop = num_layers if start + 2 * length >= num_layers else start + length
-        parts.append(range(start, stop))
-        start, length = stop, 2 * length
-    return parts
 
 
 def _zero(views: list[torch.Tensor]) -> None:

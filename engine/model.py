@@ -432,9 +432,7 @@ class DecoderModel(nn.Module):
         cos = cast(torch.Tensor, self.rope_cos)[positions]
         sin = cast(torch.Tensor, self.rope_sin)[positions]
         pending: torch.Tensor | None = None
-        for i, layer in enumerate(self.layers):
-            if lora is not None:
-                lora.stacks.wait_layers(i)  # slot fills still copying their later layers (`LoRAStacks.set_lora`)
+        for layer in self.layers:
             x, pending = layer(x, pending, positions, cos, sin, seqs, kv, lora, view)
         return x if pending is None else x + pending
 

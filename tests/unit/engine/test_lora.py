@@ -2,28 +2,21 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from engine import kernels
-from engine.config import ModelArch
-from engine.lora import AdapterWeights, LoRAStacks, fill_parts
+from engine.lora import AdapterWeights, LoRAStacks
 from engine.lora_batch import LoRABatch
 from tests.unit.engine.tiny import TINY
 
 
 def random_adapter(rank: int, scaling: float, modules: tuple[str, ...], seed: int) -> AdapterWeights:
-    return adapter_for(TINY, rank, scaling, modules, seed)
-
-
-def adapter_for(arch: ModelArch, rank: int, scaling: float, modules: tuple[str, ...], seed: int) -> AdapterWeights:
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for layer in range(arch.num_layers):
+    for layer in range(TINY.num_layers):
         for module in modules:
-            fan_in, fan_out = arch.projection_shapes()[module]
+            fan_in, fan_out = TINY.projection_shapes()[module]
             tensors[(layer, module)] = (
                 torch.randn(rank, fan_in, generator=gen),
                 torch.randn(fan_out, rank, generator=gen),
@@ -194,27 +187,3 @@ def test_fused_fills_that_reuse_a_slots_views_write_each_adapter_whole() -> None
             torch.testing.assert_close(fused.a[(layer, module)][0], fused.a[(layer, module)][1])
             torch.testing.assert_close(fused.b[(layer, module)][0, :, :4], y.tensors[(layer, module)][1])
     assert fused.scalings.tolist() == [2.5, 2.5] and fused.ranks.tolist() == [4, 4]
-
-
-def test_fill_parts_double_in_length_and_cover_every_layer_once() -> None:
-    assert [(p.start, p.stop) for p in fill_parts(16)] == [(0, 1), (1, 3), (3, 7), (7, 16)]
-    assert [(p.start, p.stop) for p in fill_parts(30)] == [(0, 1), (1, 3), (3, 7), (7, 15), (15, 30)]
-    assert [(p.start, p.stop) for p in fill_parts(1)] == [(0, 1)]
-
-
-def test_a_fill_in_parts_writes_what_a_whole_fill_writes() -> None:
-    """CUDA fills copy a packed image part by part of the layers (each part's end recorded for the steps'
-    layers to wait on). Part by part, over a slot that held a larger rank, the slot must end up as a whole
-    fill leaves it: every layer's weights, and zeros past the new rank."""
-    arch = dataclasses.replace(TINY, num_layers=7)
-    stacks = LoRAStacks(arch, slots=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"), fused=True)
-    modules = ("q_proj", "v_proj", "gate_proj", "down_proj")
-    old, new = adapter_for(arch, 8, 1.0, modules, seed=21), adapter_for(arch, 4, 2.0, modules, seed=22)
-    stacks.set_lora(0, stacks.pack(old))
-    stacks.set_lora(1, stacks.pack(new))  # the whole fill
-    parts = fill_parts(arch.num_layers)
-    assert len(parts) == 3
-    stacks._copy_packed_in_parts(0, stacks.pack(new), parts, None)
-    for group in stacks._group_a_all:
-        torch.testing.assert_close(stacks._group_a_all[group][:, 0], stacks._group_a_all[group][:, 1])
-        torch.testing.assert_close(stacks._group_b_all[group][:, 0], stacks._group_b_all[group][:, 1])
