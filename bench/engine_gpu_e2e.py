@@ -514,13 +514,15 @@ def back_in_host_ram(eng: LLMEngine, names: list[str]) -> None:
     before push these out; the running requests of the steady phase on adapters then waited for disk loads
     while its loop counted 400 empty steps, and the joins of the next phase queued behind them (584 ms
     TTFT in the first run of the session after stop 28)."""
-    versions = [eng.pool.lookup(name) for name in names]
-    for version in versions:
+    versions = []
+    for name in names:
+        version = eng.pool.lookup(name)
         if version is None:
-            raise AssertionError("(d) a warm adapter is not registered")
+            raise AssertionError(f"(d) warm adapter {name} is not registered")
         eng.pool.ready(version)  # starts the load of one no longer in host RAM
+        versions.append(version)
     for version in versions:
-        eng.pool.wait_loaded(version, timeout=120)  # type: ignore[arg-type]
+        eng.pool.wait_loaded(version, timeout=120)
 
 
 def explain_waits(eng: LLMEngine, tag: str, k: int, waited: dict[str, int]) -> None:
