@@ -5,7 +5,8 @@ projections. Run on a CUDA machine: `PYTHONPATH=. python3 bench/engine_layer_gpu
 Per mix (no LoRA, one adapter for all rows, 8 adapters x 8 rows, 64 distinct adapters) and per LoRA mode, side
 by side in one run. Modes: the base GEMMs (cuBLAS) then separate shrink and expand kernels; the shrinks folded
 into the norm and SiLU kernels (`engine/kernels_shrink_fused.py`); each projection one triton GEMM with its
-LoRA inside (`engine/kernels_gemm_lora.py`); both of the last two. Figures:
+LoRA inside (`engine/kernels_gemm_lora.py`) for one adapter; both of the last two; and the same GEMM for one
+adapter with the few-adapter GEMM (`engine/kernels_gemm_lora_few.py`) for 2 to 8. Figures:
 - time per layer of a replayed graph of `--layers` layers (embedding and a 1024-token vocabulary included);
 - throughput against no LoRA, next to the bandwidth bound base bytes / (base bytes + adapter bytes);
 - LoRA's added time per layer (mix minus no LoRA), the figure goal (a) bounds for the LoRA kernels alone;
@@ -22,6 +23,7 @@ import functools
 import torch
 from engine_gpu import BATCH, DEV, DTYPE, KV_LEN, RANK, SLOTS, capture, median_us  # a sibling script
 
+from engine import kernels_gemm_lora_few
 from engine.config import ModelArch
 from engine.kv_cache import KVCache
 from engine.lora import AdapterWeights, LoRAStacks
@@ -32,6 +34,7 @@ from engine.model import DecoderModel, DecodeView
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MIXES = {
     "one adapter": [0] * BATCH,
+    "4 x 16": [i // 16 for i in range(BATCH)],
     "8 x 8": [i // 8 for i in range(BATCH)],
     "64 distinct": list(range(BATCH)),
 }
@@ -111,27 +114,44 @@ def main() -> None:
     capacity = chunk_capacity(BATCH, SLOTS, 1)
     plan = plan_segments([0] * BATCH, DEV, block_m=1, num_chunks=capacity)
 
+    few_capacity = kernels_gemm_lora_few.capacity(RANK)
+    listed = torch.full((few_capacity,), -1, dtype=torch.int32, device=DEV)
+
     def use(mix: list[int]) -> None:
         token_slots.copy_(torch.tensor(mix, dtype=torch.int32))
         plan.copy_(plan_segments(mix, DEV, block_m=1, num_chunks=capacity))
+        used = sorted(set(mix))[:few_capacity]
+        listed.copy_(torch.tensor(used + [-1] * (few_capacity - len(used)), dtype=torch.int32))
 
     base_graph, base_out = capture(lambda: model.decode(ids, view, kv, None))
     base_graph.replay()  # its logits, for the checks below
-    modes = {"separate": (False, False), "folded": (True, False), "gemm": (False, True), "gemm + folded": (True, True)}
+    # (fold_shrinks, lora_gemm, lora_gemm_few)
+    modes = {
+        "separate": (False, False, False),
+        "folded": (True, False, False),
+        "gemm": (False, True, False),
+        "gemm + folded": (True, True, False),
+        "gemm + few": (False, True, True),
+    }
 
-    def decode(single: bool) -> torch.Tensor:
+    def decode(kind: str) -> torch.Tensor:
         # The step's batch is made inside the captured forward: its workspace is zeroed by every replay.
-        return model.decode(ids, view, kv, LoRABatch.static(stacks, token_slots, plan, single=single))
+        few = listed if kind == "few" else None
+        return model.decode(ids, view, kv, LoRABatch.static(stacks, token_slots, plan, kind == "single", few))
 
     graphs = {}
-    for mode, (fold, gemm) in modes.items():
-        for single in (False, True) if gemm else (False,):
-            stacks.fold_shrinks, stacks.lora_gemm = fold, gemm  # read while the forward is captured
-            graphs[(mode, single)] = capture(functools.partial(decode, single))
+    for mode, (fold, gemm, few) in modes.items():
+        for kind in ("any", "single", "few") if few else ("any", "single") if gemm else ("any",):
+            # Read while the forward is captured.
+            stacks.fold_shrinks, stacks.lora_gemm, stacks.lora_gemm_few = fold, gemm, few
+            graphs[(mode, kind)] = capture(functools.partial(decode, kind))
 
     def graph_of(mode: str, mix: list[int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """The mode's graph for this mix: the GEMM modes have one for a batch of one adapter (as the engine)."""
-        return graphs.get((mode, len(set(mix)) == 1), graphs[(mode, False)])
+        """The mode's graph for this mix, as the engine picks: the GEMM modes have one for a batch of one adapter,
+        the few-adapter mode one for batches of 2 to `few_capacity`."""
+        distinct = len(set(mix))
+        kind = "single" if distinct == 1 else "few" if distinct <= few_capacity else "any"
+        return graphs.get((mode, kind), graphs[(mode, "any")])
 
     for name, mix in MIXES.items():
         use(mix)

@@ -60,11 +60,13 @@ class EngineConfig:
     # write their inputs (engine/kernels_shrink_fused.py): three launches a layer fewer. Measured on an H200
     # (bench/RESULTS-gpu.md): graphed steps 0.99-1.00x, eager ones 1.02-1.12x, hence off by default.
     fold_lora_shrinks: str = "off"
-    # on: CUDA decode steps whose rows use one adapter (base rows beside it allowed) run each projection as
+    # single: CUDA decode steps whose rows use one adapter (base rows beside it allowed) run each projection as
     # one triton GEMM with the LoRA inside (engine/kernels_gemm_lora.py): no LoRA launch of its own. Measured on
     # an H200 (bench/RESULTS-gpu.md): Llama-7B layers x1.12 the separate kernels' throughput (x0.97 of no LoRA),
-    # SmolLM2 decode tokens/s 1.08-1.09x in graphs and 1.8x eager. Batches of several adapters, and
-    # max_lora_rank above 64, keep the separate kernels.
+    # SmolLM2 decode tokens/s 1.08-1.09x in graphs and 1.8x eager. on: steps of 2 to 8 adapters (rank 16; 2 at
+    # rank 64) too, each projection one launch whose spare programs shrink beside the GEMM
+    # (engine/kernels_gemm_lora_few.py): 8 adapters x 8 rows add 23.5 us a Llama-7B layer against 45.8 with the
+    # separate kernels (one H100, stop 30). Other batches, and max_lora_rank above 64, keep the separate kernels.
     lora_gemm: str = "on"
     # CUDA: rows the decode graphs hold beyond max_num_seqs for prompt tokens, each at its position in its
     # prompt's KV row: the rest of a prompt after its cached start, a long prompt's later chunks, and the
@@ -134,8 +136,8 @@ class EngineConfig:
             raise ValueError(f"warm_up must be auto, on or off, got {self.warm_up!r}")
         if self.fold_lora_shrinks not in ("on", "off"):
             raise ValueError(f"fold_lora_shrinks must be on or off, got {self.fold_lora_shrinks!r}")
-        if self.lora_gemm not in ("on", "off"):
-            raise ValueError(f"lora_gemm must be on or off, got {self.lora_gemm!r}")
+        if self.lora_gemm not in ("on", "single", "off"):
+            raise ValueError(f"lora_gemm must be on, single or off, got {self.lora_gemm!r}")
         if self.attention_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
         # A bad device otherwise surfaces only after the model has loaded, as torch's traceback.

@@ -48,6 +48,7 @@ class GraphKey:
     kv_len: int
     lora: bool
     single: bool = False  # one adapter for every LoRA row (stacks with `lora_gemm` capture these apart)
+    few: bool = False  # 2 to `LoRAStacks.few_capacity` adapters (stacks with `lora_gemm_few` capture these apart)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -116,6 +117,7 @@ class DecodeGraphs:
         # Rows: input id, position, KV slot; one upload per step fills all three.
         self._inputs = torch.zeros(3, top, dtype=torch.long, device=self.device)
         self._token_slots = torch.full((top,), -1, dtype=torch.int32, device=self.device)
+        self._listed = torch.full((max(stacks.few_capacity, 1),), -1, dtype=torch.int32, device=self.device)
         self._plans = {b: plan_segments([-1] * b, self.device, block_m=1, num_chunks=b) for b in self.batches}
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._logits: dict[GraphKey, torch.Tensor] = {}
@@ -129,8 +131,10 @@ class DecodeGraphs:
 
     @property
     def keys(self) -> list[GraphKey]:
-        kinds = [(False, False), (True, False)] + ([(True, True)] if self.stacks.lora_gemm else [])
-        return [GraphKey(b, n, lora, single) for b in self.batches for n in self.kv_lens for lora, single in kinds]
+        kinds = [(False, False, False), (True, False, False)]
+        kinds += [(True, True, False)] if self.stacks.lora_gemm else []
+        kinds += [(True, False, True)] if self.stacks.few_capacity >= 2 else []
+        return [GraphKey(b, n, *kind) for b in self.batches for n in self.kv_lens for kind in kinds]
 
     def capture_all(self) -> None:
         """Capture every bucket, largest first so the smaller graphs reuse the shared memory pool."""
@@ -150,7 +154,8 @@ class DecodeGraphs:
         view = DecodeView.of_buffers(self._inputs[2, :b], self._inputs[1, :b], key.kv_len)
         lora = None
         if key.lora:
-            lora = LoRABatch.static(self.stacks, self._token_slots[:b], self._plans[b], single=key.single)
+            listed = self._listed if key.few else None
+            lora = LoRABatch.static(self.stacks, self._token_slots[:b], self._plans[b], key.single, listed)
         return self.model.decode(self._inputs[0, :b], view, self.kv, lora, self._out[:b])
 
     def _capture(self, key: GraphKey) -> None:
@@ -171,7 +176,8 @@ class DecodeGraphs:
         if batch is None or kv_len is None:
             return None
         used = sorted({s for s in token_slots if s >= 0})
-        key = GraphKey(batch, kv_len, bool(used), self.stacks.lora_gemm and len(used) == 1)
+        few = 2 <= len(used) <= self.stacks.few_capacity
+        key = GraphKey(batch, kv_len, bool(used), self.stacks.lora_gemm and len(used) == 1, few)
         pad = batch - n
         ids = [0] * n if isinstance(input_ids, torch.Tensor) else list(input_ids)
         host = torch.tensor(
@@ -184,6 +190,9 @@ class DecodeGraphs:
             padded = token_slots + [-1] * pad
             self._plans[batch].copy_(plan_segments(padded, self.device, block_m=1, num_chunks=batch))
             self._token_slots[:batch].copy_(torch.tensor(padded, dtype=torch.int32), non_blocking=True)
+            if few:
+                listed = used + [-1] * (self._listed.shape[0] - len(used))
+                self._listed.copy_(torch.tensor(listed, dtype=torch.int32), non_blocking=True)
             self.stacks.wait_ready(used)
         self._graphs[key].replay()
         self.replays += 1

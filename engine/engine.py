@@ -85,7 +85,8 @@ class LLMEngine:
             self.dtype,
             self.device,
             fold_shrinks=config.fold_lora_shrinks == "on",
-            lora_gemm=config.lora_gemm == "on",
+            lora_gemm=config.lora_gemm != "off",
+            lora_gemm_few=config.lora_gemm == "on",
         )
         slots = kv_slots(config, arch, self.max_model_len, self.dtype, self.device)
         self.kv = KVCache(arch, slots, self.max_model_len, self.dtype, self.device)

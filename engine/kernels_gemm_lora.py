@@ -23,7 +23,8 @@ split, each program adds its split's share of both `x @ W^T` and `h @ B` (h comp
 only: the delta is linear in it), and the last of a tile's programs to arrive sums the fp32 partials in split
 order and stores (`_arrivals`). The torch definition: `reference_gemm_lora`.
 
-Batches of several adapters keep the separate kernels. Both versions that took h from the shrink kernel and
+Batches of 2 to 8 adapters take `kernels_gemm_lora_few` (the shrink in spare programs of the same launch),
+others the separate kernels. Both versions that took h from the shrink kernel and
 added B in the GEMM's epilogue were slower (bench/RESULTS-gpu.md): each row's own B gathered in 16 loads one
 after another, x0.50-0.73 of the separate kernels; one tensor-core tile per adapter of up to 8, x0.92-0.94 at
 8 adapters x 8 rows.

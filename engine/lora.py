@@ -155,14 +155,17 @@ class LoRAStacks:
         fused: bool | None = None,
         fold_shrinks: bool = False,
         lora_gemm: bool = False,
+        lora_gemm_few: bool = False,
     ):
         """`fused` (default: on CUDA) lays each projection group out as one stack (see below). `fold_shrinks`:
         decode-sized CUDA steps fold the q/k/v, gate/up and down shrinks into the norm and SiLU kernels that
         write their inputs (`LoRABatch.norm`, `LoRABatch.silu_and_mul`). `lora_gemm`: decode-sized CUDA steps
-        run each projection as one GEMM with its LoRA inside (`LoRABatch.project`)."""
+        run each projection as one GEMM with its LoRA inside (`LoRABatch.project`) where the rows use one adapter,
+        and with `lora_gemm_few` also where they use 2 to `few_capacity` adapters."""
         self.slots, self.max_rank, self.dtype = slots, max_rank, dtype
         self.fold_shrinks = fold_shrinks
         self.lora_gemm = lora_gemm
+        self.lora_gemm_few = lora_gemm_few
         shapes = arch.projection_shapes()
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
@@ -350,6 +353,16 @@ class LoRAStacks:
                 src.append(b.t())
         if dst:
             torch._foreach_copy_(dst, src, non_blocking=True)
+
+    @property
+    def few_capacity(self) -> int:
+        """How many adapters a decode step may use and still run its projections as few-adapter LoRA GEMMs
+        (`lora_gemm_few`; `kernels_gemm_lora_few.capacity`): 8 at rank 16, 2 at rank 64; 0 with the mode off."""
+        if not (self.lora_gemm and self.lora_gemm_few):
+            return 0
+        from engine import kernels_gemm_lora_few
+
+        return kernels_gemm_lora_few.capacity(self.max_rank)
 
     def wait_ready(self, slots: Iterable[int]) -> None:
         """Make the current stream wait for pending copies into `slots` (CUDA; no-op elsewhere)."""

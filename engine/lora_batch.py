@@ -28,6 +28,9 @@ class LoRABatch:
                 groups.setdefault(s, []).append(t)
         self.segments = [_Segment.of(stacks, s, rows, device) for s, rows in groups.items()]
         self.single = len(self.segments) == 1  # one adapter for every row that has one
+        # The step's adapters, for the few-adapter LoRA GEMMs (CUDA, 2 to `few_capacity` adapters), else None.
+        self.listed: torch.Tensor | None = None
+        self._hx: torch.Tensor | None = None
         self.modules: frozenset[str] = frozenset().union(*(seg.modules for seg in self.segments))
         # Many adapters over few tokens (decode) on the CPU: multiply by every slot at once and keep each
         # token's own slot through a scaled one-hot mask; 3 ops per projection whatever the adapter count.
@@ -37,6 +40,9 @@ class LoRABatch:
         if device.type == "cuda":
             stacks.wait_ready(seg.slot for seg in self.segments)
             self.plan = plan_segments(token_slots, device)
+            if 2 <= len(self.segments) <= stacks.few_capacity:
+                listed = [seg.slot for seg in self.segments]
+                self.listed = upload(listed + [-1] * (stacks.few_capacity - len(listed)), torch.int32, device)
         self.h = self._workspace(len(token_slots))
         if stacks.bt and len(self.segments) > 1 and len(token_slots) <= _DENSE_MAX_TOKENS:
             mask = torch.zeros(len(token_slots), stacks.slots, 1, dtype=stacks.dtype, device=device)
@@ -46,15 +52,22 @@ class LoRABatch:
 
     @classmethod
     def static(
-        cls, stacks: LoRAStacks, token_slots: torch.Tensor, plan: SegmentPlan, single: bool = False
+        cls,
+        stacks: LoRAStacks,
+        token_slots: torch.Tensor,
+        plan: SegmentPlan,
+        single: bool = False,
+        listed: torch.Tensor | None = None,
     ) -> LoRABatch:
         """A CUDA batch over preallocated `token_slots` and `plan` buffers, for capture in a CUDA graph.
 
         It applies every projection (per-projection ranks make the kernels skip what a slot lacks), so a
-        replay serves whatever adapters the refilled plan names; `single`: replays name at most one slot.
+        replay serves whatever adapters the refilled plan names; `single`: replays name at most one slot;
+        `listed` (int32 [`few_capacity`]): replays name the slots this buffer lists, refilled before each.
         """
         batch = cls.__new__(cls)
         batch.stacks, batch.token_slots, batch.plan, batch.single = stacks, token_slots, plan, single
+        batch.listed, batch._hx = listed, None
         batch.segments, batch.modules, batch.dense_mask = [], stacks.modules, None
         batch.h = batch._workspace(token_slots.shape[0])
         return batch
@@ -72,7 +85,7 @@ class LoRABatch:
         plan, h = self.plan, self.h
         if not self.stacks.fold_shrinks or plan is None or h is None or plan.block_m != 1:
             return None
-        if self.stacks.lora_gemm and self.single:  # the GEMMs compute their own h (`project`)
+        if self._gemm_inside:  # the GEMMs compute their own h (`project`)
             return None
         if self.modules.isdisjoint(PROJECTION_GROUPS[group]):
             return None
@@ -114,28 +127,65 @@ class LoRABatch:
         a, ranks = stacks.group_a[(layer, "down")], stacks.group_ranks["down"]
         return kernels_shrink_fused.silu_and_mul_shrink(gate_up, a, ranks, self.token_slots, h)
 
+    @property
+    def _gemm_inside(self) -> bool:
+        """Whether this step's projections run as GEMMs with the LoRA inside (`project`), groups that fit."""
+        return self.stacks.lora_gemm and (self.single or self.listed is not None)
+
     def project(
         self, layer: int, group: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor | None:
         """`x @ weight.T + bias` with `group`'s LoRA inside the GEMM (`engine.kernels_gemm_lora`): the GEMM's
         programs compute h for their rows beside the weight tiles they stream and add h @ B before they store,
         no launch of LoRA's own. On decode-sized CUDA steps of stacks with `lora_gemm` whose rows use one
-        adapter (`single`), where the group's slices share a column tile; None elsewhere (then `F.linear` and
-        `apply_group`)."""
+        adapter (`single`), or a few listed ones (`listed`: `engine.kernels_gemm_lora_few`, the shrink in spare
+        programs of the same launch), where the group's slices share a column tile; None elsewhere (then
+        `F.linear` and `apply_group`)."""
         plan, stacks = self.plan, self.stacks
-        if not (stacks.lora_gemm and self.single) or plan is None or plan.block_m != 1:
+        if not self._gemm_inside or plan is None or plan.block_m != 1:
             return None
         if self.modules.isdisjoint(PROJECTION_GROUPS[group]):
             return None
+        sizes = stacks.group_slices[group]
+        a, b, ranks = stacks.group_a[(layer, group)], stacks.group_b[(layer, group)], stacks.group_ranks[group]
+        if self.listed is not None and not self.single:
+            from engine import kernels_gemm_lora_few
+
+            if not kernels_gemm_lora_few.fits(sizes, stacks.max_rank):
+                return None
+            site = layer * len(PROJECTION_GROUPS) + list(PROJECTION_GROUPS).index(group)
+            return kernels_gemm_lora_few.gemm_lora_few(
+                x,
+                weight,
+                bias,
+                a,
+                b,
+                ranks,
+                stacks.scalings,
+                self.token_slots,
+                self.listed,
+                kernels_gemm_lora_few.sync_words(x.device, site),
+                self._few_workspace(x),
+                slice_sizes=sizes,
+            )
         from engine import kernels_gemm_lora
 
-        sizes = stacks.group_slices[group]
         if not kernels_gemm_lora.fits(sizes, stacks.max_rank):
             return None
-        a, b, ranks = stacks.group_a[(layer, group)], stacks.group_b[(layer, group)], stacks.group_ranks[group]
         return kernels_gemm_lora.gemm_lora(
             x, weight, bias, a, b, ranks, stacks.scalings, self.token_slots, slice_sizes=sizes
         )
+
+    def _few_workspace(self, x: torch.Tensor) -> torch.Tensor:
+        """The few-adapter GEMMs' shrink output, one buffer for every layer and group of the step: a launch
+        writes it only after the launch before it has finished (`kernels_gemm_lora_few`), so no two overlap."""
+        from engine import kernels_gemm_lora_few
+
+        if self._hx is None:
+            rows = kernels_gemm_lora_few.workspace_rows(x.shape[0])
+            columns = kernels_gemm_lora_few.workspace_columns(max(len(m) for m in PROJECTION_GROUPS.values()))
+            self._hx = torch.empty(rows, columns, dtype=torch.float32, device=x.device)
+        return self._hx
 
     def apply_group(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor, *, shrunk: bool = False) -> None:
         """`apply` for every projection of `group` (`PROJECTION_GROUPS`), whose outputs are the column

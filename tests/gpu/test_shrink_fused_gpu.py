@@ -7,7 +7,16 @@ import pytest
 import torch
 
 from engine import kernels_shrink_fused as ksf
-from tests.support.lora_fold import FOLDED, ONE_ADAPTER, SEPARATE, TOKEN_SLOTS, decode_logits
+from tests.support.lora_fold import (
+    FOLDED,
+    GEMM,
+    GEMM_FEW,
+    GEMM_FOLDED,
+    ONE_ADAPTER,
+    SEPARATE,
+    TOKEN_SLOTS,
+    decode_logits,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -63,8 +72,8 @@ def test_folded_decode_step_matches_separate_shrinks() -> None:
 @pytest.mark.parametrize("token_slots", [TOKEN_SLOTS, ONE_ADAPTER], ids=["adapter-mix", "one-adapter"])
 def test_lora_gemm_decode_step_matches_separate_kernels(token_slots: list[int]) -> None:
     """The model's decode step (fp32) with the LoRA inside the GEMMs, folded shrinks or not, against the base
-    GEMMs followed by the separate triton kernels."""
-    variants = (SEPARATE, (False, True), (True, True))
+    GEMMs followed by the separate triton kernels; a mix of adapters with the few-adapter GEMM too."""
+    variants = (SEPARATE, GEMM, GEMM_FOLDED, GEMM_FEW)
     logits = decode_logits(torch.device("cuda"), token_slots, variants)
     for variant in variants[1:]:
         torch.testing.assert_close(logits[variant], logits[SEPARATE], rtol=1e-4, atol=1e-4)

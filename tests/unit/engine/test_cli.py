@@ -101,7 +101,8 @@ def test_lora_gemm_and_fills_ahead_flags() -> None:
         "off",
         0,
     )
-    with pytest.raises(ValueError, match="lora_gemm must be on or off"):
+    assert config_from(parser.parse_args(["--lora-gemm", "single"])).lora_gemm == "single"
+    with pytest.raises(ValueError, match="lora_gemm must be on, single or off"):
         config_from(parser.parse_args(["--lora-gemm", "auto"])).validate()
     with pytest.raises(ValueError, match=r"adapter_fills_ahead must be within 0\.\.64"):
         config_from(parser.parse_args(["--adapter-fills-ahead", "-1"])).validate()

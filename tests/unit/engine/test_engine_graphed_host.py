@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import engine.engine as engine_module
-from engine import cuda_graphs, kernels, kernels_gemm_lora
+from engine import cuda_graphs, kernels, kernels_gemm_lora, kernels_gemm_lora_few
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.lora import LoRAStacks
@@ -344,6 +344,33 @@ def gemm_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return rows
 
 
+@pytest.fixture
+def few_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """`gemm_lora_few` stood in for by its torch definition (rows of unlisted adapters get no delta). The rows
+    of each call."""
+    rows: list[int] = []
+
+    def gemm_lora_few(*args: torch.Tensor | None, slice_sizes: list[int], **_: object) -> torch.Tensor:
+        x, w, bias, a, b, ranks, scalings, token_slots, listed = args[:9]
+        assert x is not None and listed is not None
+        rows.append(x.shape[0])
+        return kernels_gemm_lora_few.reference_gemm_lora_few(
+            x,
+            w,
+            bias,
+            a,
+            b,
+            ranks,
+            scalings,
+            token_slots,
+            listed,
+            slice_sizes=slice_sizes,  # type: ignore[arg-type]
+        )
+
+    monkeypatch.setattr(kernels_gemm_lora_few, "gemm_lora_few", gemm_lora_few)
+    return rows
+
+
 def graph(engine: LLMEngine, prefill_stream: HostStream) -> None:
     """Give `engine` the graphed forward it gets on CUDA (`LLMEngine.__init__`)."""
     rows = cuda_graphs.decode_graph_rows(engine.kv.total, engine.config)
@@ -392,6 +419,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[bool, bool]]] = {
     "sync": (dict(async_steps="off", lora_gemm="off", fills_ahead=0), (True, True)),
     "async": (dict(async_steps="on", lora_gemm="off", fills_ahead=2), (True, True)),
     "sync-lora-gemm": (dict(async_steps="off", lora_gemm="on", fills_ahead=2), (True, True)),
+    "sync-lora-gemm-single": (dict(async_steps="off", lora_gemm="single", fills_ahead=2), (True, True)),
     "async-lora-gemm": (dict(async_steps="on", lora_gemm="on", fills_ahead=0), (True, True)),
     "async-decode-graphs-only": (dict(async_steps="on", lora_gemm="on", fills_ahead=2), (True, False)),
     "sync-prefill-graphs-only": (dict(async_steps="off", lora_gemm="off", fills_ahead=2), (False, True)),
@@ -437,6 +465,7 @@ def test_graphed_steps_give_the_eager_engines_tokens(
     replays: list[object],
     prefill_stream: HostStream,
     gemm_rows: list[int],
+    few_rows: list[int],
     checked_plans: list[int],
 ) -> None:
     options, (decode_graphs, prefill_graphs) = VARIANTS[variant]
@@ -463,9 +492,11 @@ def test_graphed_steps_give_the_eager_engines_tokens(
     assert decode.replays == sum(keys.values())
     if decode_graphs:
         assert {k.batch for k in keys} == BUCKETS_USED[variant] and {k.kv_len for k in keys} == {256, MAX_LEN}
-        kinds = {(False, False), (True, False)} | ({(True, True)} if options["lora_gemm"] == "on" else set())
-        assert {(k.lora, k.single) for k in keys} == kinds
-        assert bool(gemm_rows) == (options["lora_gemm"] == "on") and checked_plans
+        # Steps of 2 or 3 adapters (of 3 slots) take the few-adapter GEMM graphs where lora_gemm is on.
+        gemm, few = options["lora_gemm"] != "off", options["lora_gemm"] == "on"
+        kinds = {(False, False, False), (True, False, few), *([(True, True, False)] if gemm else [])}
+        assert {(k.lora, k.single, k.few) for k in keys} == kinds
+        assert bool(gemm_rows) == gemm and bool(few_rows) == few and checked_plans
     prompts = collections.Counter(key for key in replays if isinstance(key, tuple))
     assert prefill.replays == sum(prompts.values())
     if prefill_graphs:

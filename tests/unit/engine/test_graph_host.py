@@ -82,7 +82,10 @@ def test_decode_kv_bucket_holds_the_last_position(replays: list[object]) -> None
     assert graphs.run([1, 2, 3], [1, 1, 1], [0, 1, 0], [-1, -1, -1]) is None  # more rows than the largest bucket
 
 
-def test_one_adapter_graphs_only_for_batches_of_one_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("few", [False, True], ids=["single", "few"])
+def test_one_adapter_graphs_only_for_batches_of_one_adapter(monkeypatch: pytest.MonkeyPatch, few: bool) -> None:
+    """And with `lora_gemm_few`, the few-adapter graphs for batches of 2 to `few_capacity` adapters, their
+    adapters listed in the graphs' buffer before the replay."""
     keys: list[cuda_graphs.GraphKey] = []
 
     class Recorded:
@@ -98,18 +101,24 @@ def test_one_adapter_graphs_only_for_batches_of_one_adapter(monkeypatch: pytest.
     monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: None)
     monkeypatch.setattr(cuda_graphs.DecodeGraphs, "_capture", capture)
     stacks = _stacks(fused=True)
-    stacks.lora_gemm = True
+    stacks.lora_gemm, stacks.lora_gemm_few = True, few
     kv = KVCache(ARCH, slots=4, max_len=64, dtype=torch.float32, device=CPU)
     graphs = cuda_graphs.DecodeGraphs(_model(), kv, stacks, 4, None)
     graphs.capture_all()
+    assert any(key.few for key in graphs.keys) == few
     for token_slots, lora, single in (
         ([1, -1, 1], True, True),  # base rows beside one adapter
         ([0, 1, 1], True, False),
         ([-1, -1, -1], False, False),
         ([2, 2, 2], True, True),
+        ([2, 0, -1], True, False),
     ):
         graphs.run([1, 2, 3], [5, 6, 7], [0, 1, 2], token_slots)
-        assert keys[-1] == cuda_graphs.GraphKey(4, 64, lora, single)
+        several = lora and not single
+        assert keys[-1] == cuda_graphs.GraphKey(4, 64, lora, single, few and several)
+        if few and several:
+            listed = sorted({s for s in token_slots if s >= 0})
+            assert graphs._listed.tolist() == listed + [-1] * (stacks.few_capacity - len(listed))
 
 
 def test_graph_replays_match_eager_steps_across_buckets(replays: list[object]) -> None:

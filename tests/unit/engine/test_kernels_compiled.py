@@ -29,6 +29,7 @@ if importlib.util.find_spec("triton") is not None:
         kernels_expand,
         kernels_fused,
         kernels_gemm_lora,
+        kernels_gemm_lora_few,
         kernels_shrink,
         kernels_shrink_fused,
     )
@@ -181,4 +182,29 @@ def test_lora_gemm_keeps_its_registers(launches: list[CompiledLaunch], rank: int
     kernels_gemm_lora.gemm_lora(x, w, None, a, b, ranks, scalings, slots, slice_sizes=sizes)
     (launch,) = launches
     registers, spilled = launch.registers()
+    assert spilled == 0, f"{spilled} bytes spilled at {registers} registers a thread"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("rank", [16, 32, 64])
+@pytest.mark.parametrize("group", PROJECTION_GROUPS)
+@pytest.mark.parametrize("tokens", [64, 72])
+def test_lora_gemm_of_few_adapters(
+    launches: list[CompiledLaunch], arch: str, rank: int, group: str, tokens: int
+) -> None:
+    """The few-adapter GEMM (shrink programs beside the GEMM's in one launch) compiles at the engine's shapes,
+    fits an SM's shared memory and spills no register."""
+    fan_in, sizes = group_shape(ARCHS[arch], group)
+    if not kernels_gemm_lora_few.fits(sizes, rank):
+        pytest.skip(f"{arch} {group}: the engine runs the separate kernels (no common column tile)")
+    a, b = stacks(len(sizes), rank, fan_in, sum(sizes))
+    ranks, scalings = slot_table()
+    x, w, slots = empty(tokens, fan_in), empty(sum(sizes), fan_in), empty(tokens, dtype=torch.int32)
+    listed = empty(kernels_gemm_lora_few.capacity(rank), dtype=torch.int32)
+    sync = empty(kernels_gemm_lora_few.SYNC_WORDS, dtype=torch.int32)
+    kernels_gemm_lora_few.gemm_lora_few(x, w, None, a, b, ranks, scalings, slots, listed, sync, slice_sizes=sizes)
+    assert_fit(launches, "_gemm_lora_few_kernel")
+    (launch,) = launches
+    registers, spilled = launch.registers()
+    print(arch, group, rank, tokens, "regs", registers, "shared", launch.shared, "stages", launch.num_stages)
     assert spilled == 0, f"{spilled} bytes spilled at {registers} registers a thread"

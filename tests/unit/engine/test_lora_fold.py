@@ -12,7 +12,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.support.lora_fold import FOLDED, ONE_ADAPTER, SEPARATE, decode_logits
+from tests.support.lora_fold import FOLDED, GEMM, GEMM_FEW, GEMM_FOLDED, ONE_ADAPTER, SEPARATE, decode_logits
 from tests.unit.engine.interpreted import INTERPRETED, run_interpreted
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -43,20 +43,20 @@ class TestInterpreted:
     def test_lora_inside_the_gemm_gives_the_separate_kernels_logits(
         self, monkeypatch: pytest.MonkeyPatch, token_slots: list[int] | None
     ) -> None:
-        from engine import kernels_gemm_lora
+        from engine import kernels_gemm_lora, kernels_gemm_lora_few
 
         modes: list[str] = []
-        gemm = kernels_gemm_lora.gemm_lora
+        single, few = kernels_gemm_lora.gemm_lora, kernels_gemm_lora_few.gemm_lora_few
+        monkeypatch.setattr(kernels_gemm_lora, "gemm_lora", lambda *a, **kw: modes.append("single") or single(*a, **kw))
         monkeypatch.setattr(
-            kernels_gemm_lora,
-            "gemm_lora",
-            lambda *a, **kw: modes.append("single" if kw.get("h") is None else "gathered") or gemm(*a, **kw),
+            kernels_gemm_lora_few, "gemm_lora_few", lambda *a, **kw: modes.append("few") or few(*a, **kw)
         )
-        variants = (SEPARATE, (False, True), (True, True))
+        variants = (SEPARATE, GEMM, GEMM_FOLDED, GEMM_FEW)
         slots = {} if token_slots is None else {"token_slots": token_slots}
         logits = decode_logits(torch.device("cpu"), variants=variants, **slots)
-        # One adapter: 4 projections a layer, 2 layers, 2 variants with the GEMM, each computing h itself (with
-        # folding on too: a one-adapter step folds no shrink). A mix of adapters keeps the separate kernels.
-        assert modes == ([] if token_slots is None else ["single"] * 16)
+        # One adapter: 4 projections a layer, 2 layers, 3 variants with the GEMM, each computing h itself (with
+        # folding on too: a one-adapter step folds no shrink). A mix of 3 adapters takes the few-adapter GEMM
+        # where that mode is on, else the separate kernels.
+        assert modes == (["few"] * 8 if token_slots is None else ["single"] * 24)
         for variant in variants[1:]:
             torch.testing.assert_close(logits[variant], logits[SEPARATE], rtol=1e-5, atol=1e-5)
