@@ -135,6 +135,8 @@ def _gemm_lora_kernel(
     slots = tl.load(slots_ptr + rows, mask=in_rows, other=-1)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols).to(tl.float32)
+    else:
+        bias = tl.zeros((BLOCK_N,), dtype=tl.float32)  # unused
     # One slot for every row that has one: the tile's largest (base rows and padding are -1).
     slot = tl.max(slots, axis=0)
     safe_slot = tl.maximum(slot, 0)
@@ -184,18 +186,35 @@ def _gemm_lora_kernel(
     else:
         acc = tl.dot(hs.to(bt.dtype), bt, acc, input_precision=PRECISION)
     out_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
-    out_mask = in_rows[:, None]
+    tile = pid_m * tl.num_programs(1) + pid_n
+    _store_tile(acc, bias, out_ptrs, in_rows[:, None], partial_ptr, arrivals_ptr, tile, pid_k, SPLIT_K, HAS_BIAS)
+
+
+@triton.jit
+def _store_tile(
+    acc: tl.tensor,
+    bias: tl.tensor,
+    out_ptrs: tl.tensor,
+    out_mask: tl.tensor,
+    partial_ptr: tl.tensor,
+    arrivals_ptr: tl.tensor,
+    tile: tl.tensor,
+    pid_k: tl.tensor,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+) -> None:
+    """Store a program's fp32 output tile `acc` (plus `bias`) at `out_ptrs`, rounded to their dtype. Where K is
+    split, each split stores its partial tile (x @ W^T and h @ B are both linear in the K range); the last to
+    arrive at output tile `tile` sums them in split order (the same bits whichever arrives last), stores, and
+    resets the tile's arrival count for the next call. The barrier orders every thread's partial before the
+    release. Shared with `kernels_gemm_lora_few`."""
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += bias[None, :]
-        tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=out_mask)
     else:
-        # Each split stores its partial tile (x @ W^T and h @ B are both linear in the K range); the last to
-        # arrive sums them in split order (the same bits whichever arrives last), stores, and resets the tile's
-        # arrival count for the next call. The barrier orders every thread's partial before the release.
-        tile = pid_m * tl.num_programs(1) + pid_n
-        tile_elems: tl.constexpr = BLOCK_M * BLOCK_N
-        within = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tile_elems: tl.constexpr = acc.shape[0] * acc.shape[1]
+        within = tl.arange(0, acc.shape[0])[:, None] * acc.shape[1] + tl.arange(0, acc.shape[1])[None, :]
         partials = partial_ptr + tile.to(tl.int64) * (SPLIT_K * tile_elems) + within
         tl.store(partials + pid_k * tile_elems, acc)
         tl.debug_barrier()
@@ -206,7 +225,7 @@ def _gemm_lora_kernel(
                 total += tl.load(partials + part * tile_elems, cache_modifier=".cg")
             if HAS_BIAS:
                 total += bias[None, :]
-            tl.store(out_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(arrivals_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
@@ -250,6 +269,40 @@ def tiling(slice_sizes: Sequence[int], total: int, k_dim: int) -> tuple[int, int
             return block, 2
     narrow = block_n_for(slice_sizes, total)
     return None if narrow is None else (narrow, 1)
+
+
+def checked_layout(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    a_stack: torch.Tensor,
+    b_stack: torch.Tensor,
+    sizes: list[int],
+    split_k: int | None,
+) -> tuple[int, int, int]:
+    """(rank per slice, column tile, splits of K) of a LoRA GEMM over these operands (`tiling`; `split_k`
+    overrides the splits). Raises ValueError where they disagree or do not fit (`fits`). Shared with
+    `kernels_gemm_lora_few`."""
+    k_dim, n_dim = x.shape[1], w.shape[0]
+    lr = a_stack.shape[1]
+    r_slice = lr // len(sizes)
+    if w.shape[1] != k_dim or sum(sizes) != n_dim or b_stack.shape[1] != n_dim or not 1 <= len(sizes) <= MAX_SLICES:
+        raise ValueError("w, slice_sizes and b_stack must agree on the output width, w and x on the input width")
+    if lr % len(sizes) or b_stack.shape[2] != r_slice:
+        raise ValueError("a_stack holds L*R rows and b_stack R columns for L slices of rank R")
+    if x.stride(-1) != 1 or w.stride(-1) != 1 or a_stack.stride(-1) != 1:
+        raise ValueError("x, w and a_stack need a contiguous last dimension")
+    layout = tiling(sizes, n_dim, k_dim)
+    if layout is None or r_slice > _MAX_RANK:
+        raise ValueError(f"slices {sizes} at rank {r_slice}: no common column tile of 16 or more, or rank > 64")
+    block_n, split = layout
+    if split_k is not None:
+        block_n, split = (_dividing(sizes)[0] if split_k > 1 else block_n_for(sizes, n_dim) or block_n), split_k
+    return r_slice, block_n, split
+
+
+def slice_starts(sizes: list[int]) -> list[int]:
+    """The first column of each slice after the first, padded with the output width to `MAX_SLICES` - 1."""
+    return [sum(sizes[:i]) for i in range(1, len(sizes))] + [sum(sizes)] * (MAX_SLICES - len(sizes))
 
 
 def row_tile(num_tokens: int) -> tuple[int, int]:
@@ -332,22 +385,9 @@ def gemm_lora(
     num_tokens, k_dim = x.shape
     n_dim = w.shape[0]
     sizes = list(slice_sizes)
-    lr = a_stack.shape[1]
-    r_slice = lr // len(sizes)
-    if w.shape[1] != k_dim or sum(sizes) != n_dim or b_stack.shape[1] != n_dim or not 1 <= len(sizes) <= MAX_SLICES:
-        raise ValueError("w, slice_sizes and b_stack must agree on the output width, w and x on the input width")
-    if lr % len(sizes) or b_stack.shape[2] != r_slice:
-        raise ValueError("a_stack holds L*R rows and b_stack R columns for L slices of rank R")
-    if x.stride(-1) != 1 or w.stride(-1) != 1 or a_stack.stride(-1) != 1:
-        raise ValueError("x, w and a_stack need a contiguous last dimension")
-    layout = tiling(sizes, n_dim, k_dim)
-    if layout is None or r_slice > _MAX_RANK:
-        raise ValueError(f"slices {sizes} at rank {r_slice}: no common column tile of 16 or more, or rank > 64")
-    block_n, split = layout
-    if split_k is not None:
-        block_n, split = (_dividing(sizes)[0] if split_k > 1 else block_n_for(sizes, n_dim) or block_n), split_k
+    r_slice, block_n, split = checked_layout(x, w, a_stack, b_stack, sizes, split_k)
     out = torch.empty(num_tokens, n_dim, dtype=x.dtype, device=x.device)
-    starts = [sum(sizes[:i]) for i in range(1, len(sizes))] + [n_dim] * (MAX_SLICES - len(sizes))
+    starts = slice_starts(sizes)
     if block_m is None:
         block_m, warps = row_tile(num_tokens)
     elif block_m not in (16, 32, 64, 128):

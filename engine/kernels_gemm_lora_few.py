@@ -42,8 +42,17 @@ import triton
 import triton.language as tl
 
 from engine import kernels_triton
-from engine.kernels_gemm_lora import _arrivals, _dividing, _pipeline, block_n_for, row_tile, tiling
-from engine.kernels_triton import MAX_SLICES, RANK_BLOCK
+from engine.kernels_gemm_lora import (
+    _MAX_SPLIT_TILES,
+    _arrivals,
+    _pipeline,
+    _store_tile,
+    block_n_for,
+    checked_layout,
+    row_tile,
+    slice_starts,
+)
+from engine.kernels_triton import RANK_BLOCK
 
 # h @ B's K tile: every listed adapter's rank block side by side. 128 columns keep the extra tile the size of
 # one main-loop K tile (8 adapters at rank 16, 2 at rank 64).
@@ -210,6 +219,8 @@ def _gemm_lora_few_kernel(
         sl = (n0 >= start1).to(tl.int32) + (n0 >= start2).to(tl.int32) + (n0 >= start3).to(tl.int32)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + cols).to(tl.float32)
+        else:
+            bias = tl.zeros((BLOCK_N,), dtype=tl.float32)  # unused
         if GDC:
             tl.extra.cuda.gdc_wait()
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -258,29 +269,10 @@ def _gemm_lora_few_kernel(
             else:
                 acc = tl.dot(hx.to(bt.dtype), bt, acc, input_precision=PRECISION)
         out_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
-        out_mask = in_rows[:, None]
-        if SPLIT_K == 1:
-            if HAS_BIAS:
-                acc += bias[None, :]
-            tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-        else:
-            # As `kernels_gemm_lora`: each split stores its partial tile, the last to arrive sums them in split
-            # order, stores, and resets the tile's arrival count.
-            out_tile = pid_m * GRID_N + pid_n
-            tile_elems: tl.constexpr = BLOCK_M * BLOCK_N
-            within = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            partials = partial_ptr + out_tile.to(tl.int64) * (SPLIT_K * tile_elems) + within
-            tl.store(partials + pid_k * tile_elems, acc)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(arrivals_ptr + out_tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:
-                total = tl.load(partials, cache_modifier=".cg")
-                for part in tl.static_range(1, SPLIT_K):
-                    total += tl.load(partials + part * tile_elems, cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += bias[None, :]
-                tl.store(out_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-                tl.atomic_xchg(arrivals_ptr + out_tile, 0, sem="relaxed", scope="gpu")
+        out_tile = pid_m * GRID_N + pid_n
+        _store_tile(
+            acc, bias, out_ptrs, in_rows[:, None], partial_ptr, arrivals_ptr, out_tile, pid_k, SPLIT_K, HAS_BIAS
+        )
         # The last GEMM program resets the launch's counters: by then every program has drawn its ticket (the
         # GEMM programs all have, and they waited for every shrink program).
         finished = tl.atomic_add(sync_ptr + 2, 1, sem="acq_rel", scope="gpu")
@@ -367,30 +359,20 @@ def gemm_lora_few(
     num_tokens, k_dim = x.shape
     n_dim = w.shape[0]
     sizes = list(slice_sizes)
-    r_slice = b_stack.shape[2]
-    if w.shape[1] != k_dim or sum(sizes) != n_dim or b_stack.shape[1] != n_dim or not 1 <= len(sizes) <= MAX_SLICES:
-        raise ValueError("w, slice_sizes and b_stack must agree on the output width, w and x on the input width")
-    if a_stack.shape[1] != len(sizes) * r_slice:
-        raise ValueError("a_stack holds L*R rows and b_stack R columns for L slices of rank R")
-    if x.stride(-1) != 1 or w.stride(-1) != 1 or a_stack.stride(-1) != 1:
-        raise ValueError("x, w and a_stack need a contiguous last dimension")
+    r_slice, block_n, split = checked_layout(x, w, a_stack, b_stack, sizes, split_k)
     if b_stack.stride(1) != 1:
         # The kernel reads B's columns as contiguous (a stride passed in is not known to be 1 when it compiles,
         # and B was read 2 bytes at a time).
         raise ValueError("b_stack must be the [S, N, R] view of rank-major storage (its columns contiguous)")
-    layout = tiling(sizes, n_dim, k_dim)
-    if layout is None or capacity(r_slice) < 2:
-        raise ValueError(f"slices {sizes} at rank {r_slice}: no common column tile of 16 or more, or rank > 64")
     if listed.shape != (capacity(r_slice),) or listed.dtype != torch.int32:
         raise ValueError(f"listed must be int32 [{capacity(r_slice)}] for stacks of rank {r_slice}")
     if sync.numel() < SYNC_WORDS or sync.dtype != torch.int32:
         raise ValueError(f"sync must be int32 with {SYNC_WORDS} words")
-    block_n, split = layout
-    if split_k is not None:
-        block_n, split = (_dividing(sizes)[0] if split_k > 1 else block_n_for(sizes, n_dim) or block_n), split_k
     block_m, warps = row_tile(num_tokens)
     block_r = max(RANK_BLOCK.value, triton.next_power_of_2(r_slice))
     grid_m, grid_n = triton.cdiv(num_tokens, block_m), n_dim // block_n
+    if grid_m * grid_n > _MAX_SPLIT_TILES:
+        split = 1  # more output tiles than split-K arrival counts (`kernels_gemm_lora._arrivals`)
     num_gemm = grid_m * grid_n * split
     sums = grid_m * len(sizes)
     h_split = h_splits or shrink_splits(k_dim, num_gemm, kernels_triton._sm_count(x.device))
@@ -415,7 +397,7 @@ def gemm_lora_few(
     if split > 1:
         partials = torch.empty(grid_m * grid_n * split * block_m * block_n, dtype=torch.float32, device=x.device)
         arrivals = _arrivals(x.device)
-    starts = [sum(sizes[:i]) for i in range(1, len(sizes))] + [n_dim] * (MAX_SLICES - len(sizes))
+    starts = slice_starts(sizes)
     pdl = kernels_triton.pdl_default(x.device)
     _gemm_lora_few_kernel[(num_h + num_gemm,)](
         x,
