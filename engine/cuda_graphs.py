@@ -134,7 +134,8 @@ class DecodeGraphs:
         kinds = [(False, False, False), (True, False, False)]
         kinds += [(True, True, False)] if self.stacks.lora_gemm else []
         kinds += [(True, False, True)] if self.stacks.few_capacity >= 2 else []
-        return [GraphKey(b, n, *kind) for b in self.batches for n in self.kv_lens for kind in kinds]
+        keys = [GraphKey(b, n, *kind) for b in self.batches for n in self.kv_lens for kind in kinds]
+        return [key for key in keys if key.batch > 1 or not key.few]  # one row has one adapter at most
 
     def capture_all(self) -> None:
         """Capture every bucket, largest first so the smaller graphs reuse the shared memory pool."""

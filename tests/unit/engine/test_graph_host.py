@@ -106,6 +106,7 @@ def test_one_adapter_graphs_only_for_batches_of_one_adapter(monkeypatch: pytest.
     graphs = cuda_graphs.DecodeGraphs(_model(), kv, stacks, 4, None)
     graphs.capture_all()
     assert any(key.few for key in graphs.keys) == few
+    assert not any(key.few and key.batch == 1 for key in graphs.keys)
     for token_slots, lora, single in (
         ([1, -1, 1], True, True),  # base rows beside one adapter
         ([0, 1, 1], True, False),
