@@ -823,6 +823,12 @@ def main() -> None:
         help="largest row tile of the one-adapter LoRA GEMM for the engines sections d, j, t and f compare "
         "(64: a step of 65-128 rows in two tiles, as before; default: the engine's)",
     )
+    ap.add_argument(
+        "--lora-gemm-loads",
+        default=EngineConfig().lora_gemm,
+        help="lora_gemm of the engines sections d, j, t and f compare (on: steps of 2-8 adapters run the "
+        "few-adapter GEMM; single: one-adapter steps only; default: the engine's)",
+    )
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
     ap.add_argument(
         "--async-steps",
@@ -872,24 +878,25 @@ def main() -> None:
     prompt = Tokenizer(resolve_model(str(b.model))).encode_chat([("user", PROMPT)])
     # Cold starts, loads under traffic and hot swap, once per adapter loader, side by side in this run.
     configs = [
-        (loader, float(ms), int(mb), int(workers), fold, int(row_tile))
+        (loader, float(ms), int(mb), int(workers), fold, int(row_tile), gemm)
         for loader in args.loaders.split(",")
         for ms in args.switch_intervals.split(",")
         for mb in (args.pinned_mb.split(",") if loader == "process" else ["0"])  # threads use no arena
         for workers in (args.loader_workers.split(",") if loader == "process" else ["0"])
         for fold in args.fold_prompt_tokens.split(",")
         for row_tile in args.lora_gemm_row_tile.split(",")
+        for gemm in args.lora_gemm_loads.split(",")
     ]
     if not {"d", "f", "t", "j"}.intersection(args.only):
         configs = []
-    for loader, switch_ms, pinned_mb, workers, fold, row_tile in configs:
+    for loader, switch_ms, pinned_mb, workers, fold, row_tile, gemm in configs:
         arena = f", shared arena {pinned_mb} MiB" if loader == "process" else ""
         split = (
             f", {EngineConfig(adapter_loader_workers=workers).loader_workers()} workers" if loader == "process" else ""
         )
         LOADER = (
             f"{loader} loader, GIL switch {switch_ms or 5:g} ms{arena}{split}, prompts folded up to {fold}, "
-            f"LoRA GEMM row tile up to {row_tile}"
+            f"LoRA GEMM row tile up to {row_tile}, lora_gemm {gemm}"
         )
         kernels_gemm_lora.MAX_BLOCK_M = row_tile  # read as the engine captures its graphs
         eng = b.engine(
@@ -898,6 +905,7 @@ def main() -> None:
             gil_switch_interval_ms=switch_ms,
             pinned_adapter_memory_mb=pinned_mb,
             adapter_loader_workers=workers,
+            lora_gemm=gemm,
         )
         if {"d", "t"}.intersection(args.only):
             section_cold_start(b, eng, prompt)
