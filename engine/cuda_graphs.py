@@ -177,8 +177,8 @@ class DecodeGraphs:
         if batch is None or kv_len is None:
             return None
         used = sorted({s for s in token_slots if s >= 0})
-        few = 2 <= len(used) <= self.stacks.few_capacity
-        key = GraphKey(batch, kv_len, bool(used), self.stacks.lora_gemm and len(used) == 1, few)
+        listed = self.stacks.few_list(used)
+        key = GraphKey(batch, kv_len, bool(used), self.stacks.lora_gemm and len(used) == 1, listed is not None)
         pad = batch - n
         ids = [0] * n if isinstance(input_ids, torch.Tensor) else list(input_ids)
         host = torch.tensor(
@@ -191,8 +191,7 @@ class DecodeGraphs:
             padded = token_slots + [-1] * pad
             self._plans[batch].copy_(plan_segments(padded, self.device, block_m=1, num_chunks=batch))
             self._token_slots[:batch].copy_(torch.tensor(padded, dtype=torch.int32), non_blocking=True)
-            if few:
-                listed = used + [-1] * (self._listed.shape[0] - len(used))
+            if listed is not None:
                 self._listed.copy_(torch.tensor(listed, dtype=torch.int32), non_blocking=True)
             self.stacks.wait_ready(used)
         self._graphs[key].replay()

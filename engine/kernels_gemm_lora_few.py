@@ -37,7 +37,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -49,6 +48,7 @@ from engine.kernels_gemm_lora import (
     _store_tile,
     block_n_for,
     checked_layout,
+    reference_gemm_lora,
     row_tile,
     slice_starts,
 )
@@ -83,19 +83,12 @@ def reference_gemm_lora_few(
     *,
     slice_sizes: Sequence[int],
 ) -> torch.Tensor:
-    """`gemm_lora_few` in torch (fp32 inside, the output rounded once)."""
-    out = F.linear(x.float(), w.float(), None if bias is None else bias.float())
-    r_slice = b_stack.shape[2]
-    for slot in {int(s) for s in listed.tolist() if s >= 0}:
-        rows = (token_slots == slot).nonzero().flatten()
-        rank, scale = int(ranks[slot]), float(scalings[slot])
-        n0 = 0
-        for sl, width in enumerate(slice_sizes):
-            a = a_stack[slot, sl * r_slice : sl * r_slice + rank].float()
-            b = b_stack[slot, n0 : n0 + width, :rank].float()
-            out[rows, n0 : n0 + width] += scale * (x[rows].float() @ a.t()) @ b.t()
-            n0 += width
-    return out.to(x.dtype)
+    """`gemm_lora_few` in torch (fp32 inside, the output rounded once): `reference_gemm_lora` with the rows of
+    unlisted slots as base rows."""
+    listed_slots = listed[listed >= 0].to(token_slots.device)
+    rows_listed = torch.isin(token_slots, listed_slots)
+    slots = torch.where(rows_listed, token_slots, torch.full_like(token_slots, -1))
+    return reference_gemm_lora(x, w, bias, a_stack, b_stack, ranks, scalings, slots, slice_sizes=slice_sizes)
 
 
 @triton.jit

@@ -364,6 +364,14 @@ class LoRAStacks:
 
         return kernels_gemm_lora_few.capacity(self.max_rank)
 
+    def few_list(self, slots: list[int]) -> list[int] | None:
+        """The list a step's distinct adapter `slots` give the few-adapter LoRA GEMMs, padded with -1 to
+        `few_capacity`; None where they are not 2 to `few_capacity` (the step keeps the other kernels)."""
+        capacity = self.few_capacity
+        if not 2 <= len(slots) <= capacity:
+            return None
+        return slots + [-1] * (capacity - len(slots))
+
     def wait_ready(self, slots: Iterable[int]) -> None:
         """Make the current stream wait for pending copies into `slots` (CUDA; no-op elsewhere)."""
         for slot in slots:

@@ -40,9 +40,9 @@ class LoRABatch:
         if device.type == "cuda":
             stacks.wait_ready(seg.slot for seg in self.segments)
             self.plan = plan_segments(token_slots, device)
-            if 2 <= len(self.segments) <= stacks.few_capacity:
-                listed = [seg.slot for seg in self.segments]
-                self.listed = upload(listed + [-1] * (stacks.few_capacity - len(listed)), torch.int32, device)
+            listed = stacks.few_list([seg.slot for seg in self.segments])
+            if listed is not None:
+                self.listed = upload(listed, torch.int32, device)
         self.h = self._workspace(len(token_slots))
         if stacks.bt and len(self.segments) > 1 and len(token_slots) <= _DENSE_MAX_TOKENS:
             mask = torch.zeros(len(token_slots), stacks.slots, 1, dtype=stacks.dtype, device=device)
