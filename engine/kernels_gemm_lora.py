@@ -104,7 +104,6 @@ def _gemm_lora_kernel(
     stride_as: int,
     stride_ar: int,
     stride_bs: int,
-    stride_bn: int,
     stride_br: int,
     K: tl.constexpr,
     R: tl.constexpr,
@@ -144,8 +143,10 @@ def _gemm_lora_kernel(
     scale = tl.load(scalings_ptr + safe_slot)
     a_rows = (rr < rank) & (rr < R)
     a_base = a_ptr + safe_slot.to(tl.int64) * stride_as + (sl * R + rr).to(tl.int64) * stride_ar
+    # B's columns are contiguous (`checked_layout`): written as such, not through a stride argument equal to
+    # 1, which triton 3.6 does not specialise (the tile was read 2 bytes at a time, 16-64 loads a thread).
     bt = tl.load(
-        b_ptr + safe_slot.to(tl.int64) * stride_bs + rr[:, None] * stride_br + cols[None, :] * stride_bn,
+        b_ptr + safe_slot.to(tl.int64) * stride_bs + rr[:, None] * stride_br + cols[None, :],
         mask=a_rows[:, None],
         other=0.0,
     )
@@ -291,6 +292,8 @@ def checked_layout(
         raise ValueError("a_stack holds L*R rows and b_stack R columns for L slices of rank R")
     if x.stride(-1) != 1 or w.stride(-1) != 1 or a_stack.stride(-1) != 1:
         raise ValueError("x, w and a_stack need a contiguous last dimension")
+    if b_stack.stride(1) != 1:  # the kernels read B's columns as contiguous
+        raise ValueError("b_stack must be the [S, N, R] view of rank-major storage (its columns contiguous)")
     layout = tiling(sizes, n_dim, k_dim)
     if layout is None or r_slice > _MAX_RANK:
         raise ValueError(f"slices {sizes} at rank {r_slice}: no common column tile of 16 or more, or rank > 64")
@@ -429,7 +432,6 @@ def gemm_lora(
         a_stack.stride(0),
         a_stack.stride(1),
         b_stack.stride(0),
-        b_stack.stride(1),
         b_stack.stride(2),
         K=k_dim,
         R=r_slice,

@@ -353,10 +353,6 @@ def gemm_lora_few(
     n_dim = w.shape[0]
     sizes = list(slice_sizes)
     r_slice, block_n, split = checked_layout(x, w, a_stack, b_stack, sizes, split_k)
-    if b_stack.stride(1) != 1:
-        # The kernel reads B's columns as contiguous (a stride passed in is not known to be 1 when it compiles,
-        # and B was read 2 bytes at a time).
-        raise ValueError("b_stack must be the [S, N, R] view of rank-major storage (its columns contiguous)")
     if listed.shape != (capacity(r_slice),) or listed.dtype != torch.int32:
         raise ValueError(f"listed must be int32 [{capacity(r_slice)}] for stacks of rank {r_slice}")
     if sync.numel() < SYNC_WORDS or sync.dtype != torch.int32:

@@ -9,6 +9,7 @@ Shapes: Llama-7B (the speed target) and SmolLM2-135M (the model we ship), bf16, 
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -208,3 +209,32 @@ def test_lora_gemm_of_few_adapters(
     registers, spilled = launch.registers()
     print(arch, group, rank, tokens, "regs", registers, "shared", launch.shared, "stages", launch.num_stages)
     assert spilled == 0, f"{spilled} bytes spilled at {registers} registers a thread"
+
+
+def global_loads_of_two_bytes(launch: CompiledLaunch) -> int:
+    """`ld.global` instructions of one bf16 each in a launch's PTX (its code, not the debug sections after)."""
+    code = launch.ptx.split("\n.section")[0]
+    return len(re.findall(r"ld\.global(?:\.\w+)*\.b16\s", code))
+
+
+@pytest.mark.parametrize("few", [False, True])
+@pytest.mark.parametrize("rank", RANKS)
+@pytest.mark.parametrize("group", PROJECTION_GROUPS)
+def test_lora_gemms_read_b_sixteen_bytes_at_a_time(
+    launches: list[CompiledLaunch], few: bool, rank: int, group: str
+) -> None:
+    """Both LoRA GEMMs load B's rank-major rows in 16-byte vectors, no element by element. B's column stride
+    was once passed in as an argument: equal to 1, but triton 3.6 does not specialise that, so the compiled
+    code read 2 bytes a load (16-128 loads a thread, found in the PTX, bench/RESULTS-gpu.md stop 30)."""
+    fan_in, sizes = group_shape(ARCHS["llama7b"], group)
+    a, b = stacks(len(sizes), rank, fan_in, sum(sizes))
+    ranks, scalings = slot_table()
+    x, w, slots = empty(64, fan_in), empty(sum(sizes), fan_in), empty(64, dtype=torch.int32)
+    if few:
+        listed = empty(kernels_gemm_lora_few.capacity(rank), dtype=torch.int32)
+        sync = empty(kernels_gemm_lora_few.SYNC_WORDS, dtype=torch.int32)
+        kernels_gemm_lora_few.gemm_lora_few(x, w, None, a, b, ranks, scalings, slots, listed, sync, slice_sizes=sizes)
+    else:
+        kernels_gemm_lora.gemm_lora(x, w, None, a, b, ranks, scalings, slots, slice_sizes=sizes)
+    (launch,) = launches
+    assert global_loads_of_two_bytes(launch) == 0
