@@ -149,6 +149,58 @@ def _tile_add(
 
 
 @triton.jit
+def _half_block_token(
+    y_row: tl.tensor,
+    h_row: tl.tensor,
+    b_base: tl.tensor,
+    stride_br: tl.tensor,
+    rank: tl.tensor,
+    scale: tl.tensor,
+    n_begin: tl.tensor,
+    n_stop: tl.tensor,
+    n_start: tl.tensor,
+    B_DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    N_ITERS: tl.constexpr,
+    STATIC_LOOPS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    GDC: tl.constexpr,
+) -> None:
+    """One token's expand for a chunk of rank <= 8 whose program has more than one column tile (HALF_BLOCKS,
+    rank-major B with contiguous columns): tiles of 8 rank rows by 2 * BLOCK_N columns, the registers of a
+    16-row tile, so that each load in flight carries as many bytes as a rank-16 chunk's. In 16-row tiles half
+    the rows of such a chunk are masked off, and its program makes a round trip to memory per tile for half the
+    bytes. Sums the same terms as `_token_delta` (the 16-row tile's other rows are zero there).
+
+    Only where a program has several tiles: with one, a wide tile would be half masked along N, and measured
+    slower (Llama-7B q/k/v, 64 rank-8 adapters in a rank-64 stack: 32.6 against 29.9 us of expand a layer on
+    an H100, bench/RESULTS-gpu.md stop 31)."""
+    HALF: tl.constexpr = RANK_BLOCK // 2
+    WIDE: tl.constexpr = 2 * BLOCK_N
+    offs_r = tl.arange(0, HALF)
+    r_ok = offs_r < rank
+    rows = b_base + offs_r[:, None].to(tl.int64) * stride_br
+    PEELED: tl.constexpr = 1 if USE_PDL else 0
+    if PEELED:  # as the 16-row body: the first tile before the wait
+        offs0 = n_begin + tl.arange(0, WIDE)
+        ok0 = offs0 < n_stop
+        cols0 = (n_start + offs0).to(tl.int64)
+        bt0 = tl.load(rows + cols0[None, :], mask=r_ok[:, None] & ok0[None, :], other=0.0)
+        _await_previous(GDC)
+    h = tl.load(h_row + offs_r, mask=r_ok, other=0.0).to(B_DTYPE).to(tl.float32)
+    if PEELED:
+        old0 = tl.load(y_row + cols0, mask=ok0, other=0.0)
+        tl.store(y_row + cols0, (old0.to(tl.float32) + scale * _col_dots(bt0, h)).to(old0.dtype), mask=ok0)
+    for i in range(PEELED, (N_ITERS + 1) // 2 if STATIC_LOOPS else tl.cdiv(n_stop - n_begin, WIDE)):
+        offs = n_begin + i * WIDE + tl.arange(0, WIDE)
+        ok = offs < n_stop
+        cols = (n_start + offs).to(tl.int64)
+        bt = tl.load(rows + cols[None, :], mask=r_ok[:, None] & ok[None, :], other=0.0)
+        old = tl.load(y_row + cols, mask=ok, other=0.0)
+        tl.store(y_row + cols, (old.to(tl.float32) + scale * _col_dots(bt, h)).to(old.dtype), mask=ok)
+
+
+@triton.jit
 def _expand_kernel(
     y_ptr: tl.tensor,
     h_ptr: tl.tensor,
@@ -185,6 +237,7 @@ def _expand_kernel(
     USE_PDL: tl.constexpr,
     GDC: tl.constexpr,
     SHORT_CHAIN: tl.constexpr,
+    HALF_BLOCKS: tl.constexpr,
 ) -> None:
     # Work unit = (chunk, slice, UNIT_R rank rows); the programs of a (chunk, slice)'s units split its column
     # tiles, so a chunk of rank 64 gets 4x the programs of one of rank 16 and each loops over 4 rank blocks.
@@ -224,7 +277,13 @@ def _expand_kernel(
     # previous kernel has finished. (Reading its y before the rank arrives, for the short chain, cost 165
     # registers against 96.)
     PEELED: tl.constexpr = 1 if USE_PDL else 0
-    if BLOCK_M == 1:
+    if BLOCK_M == 1 and HALF_BLOCKS and rank <= RANK_BLOCK // 2 and n_stop - n_begin > BLOCK_N:
+        tok = first_tok if SHORT_CHAIN else tl.load(order_ptr + start).to(tl.int64)
+        _half_block_token(
+            y_ptr + tok * stride_yt, h_ptr + tok * stride_ht + sl * R_SLICE, b_base, stride_br, rank, scale,
+            n_begin, n_stop, n_start, b_ptr.dtype.element_ty, BLOCK_N, N_ITERS, STATIC_LOOPS, USE_PDL, GDC,
+        )  # fmt: skip
+    elif BLOCK_M == 1:
         # One token: a plain matrix-vector product, no tensor-core tile padded to 16 tokens. Compile-time
         # trip counts only in the interpreter (see _shrink_kernel); compiled code loops exactly.
         tok = first_tok if SHORT_CHAIN else tl.load(order_ptr + start).to(tl.int64)
@@ -356,6 +415,7 @@ def expand(
         USE_PDL=latency.pdl_order,
         GDC=latency.gdc,
         SHORT_CHAIN=latency.short_chain,
+        HALF_BLOCKS=cfg.half_blocks and rank_major and plan.block_m == 1,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **latency.launch(),

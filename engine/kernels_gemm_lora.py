@@ -143,8 +143,9 @@ def _gemm_lora_kernel(
     scale = tl.load(scalings_ptr + safe_slot)
     a_rows = (rr < rank) & (rr < R)
     a_base = a_ptr + safe_slot.to(tl.int64) * stride_as + (sl * R + rr).to(tl.int64) * stride_ar
-    # B's columns are contiguous (`checked_layout`): written as such, not through a stride argument equal to
-    # 1, which triton 3.6 does not specialise (the tile was read 2 bytes at a time, 16-64 loads a thread).
+    # B's columns are contiguous (`checked_layout`): written as such. Through a stride argument equal to 1 the
+    # tile was read 2 bytes at a time (16-64 loads a thread): triton specialises an argument equal to 1 only
+    # when it is not annotated `int`, as this kernel's are (so that 1 row or 1 split compiles no variant).
     bt = tl.load(
         b_ptr + safe_slot.to(tl.int64) * stride_bs + rr[:, None] * stride_br + cols[None, :],
         mask=a_rows[:, None],

@@ -70,13 +70,16 @@ class ShrinkConfig:
 class ExpandConfig:
     """Launch shape of the expand kernel: `programs_per_sm` x SMs programs share out the chunks, one work unit
     per `unit_rows` rank rows of a chunk (8: a rank-8 adapter, whose rows cost half a rank-16 one's, gets half
-    the programs; the rank loop inside a program still steps by 16)."""
+    the programs; the rank loop inside a program still steps by 16). `half_blocks`: in the per-token body
+    (chunks of 1, rank-major B), a chunk of rank <= 8 reads tiles of 8 rank rows by twice the columns
+    (`kernels_expand._half_block_token`)."""
 
     block_n: int = 256
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 4
     unit_rows: int = 16
+    half_blocks: bool = False
 
 
 def default_configs(block_m: int) -> tuple[ShrinkConfig, ExpandConfig]:
@@ -87,9 +90,12 @@ def default_configs(block_m: int) -> tuple[ShrinkConfig, ExpandConfig]:
     Per-token expand: 1024 columns are one 16-byte vector of bf16 per thread across 4 warps, so with rank-major
     B the warps lie along N only and each thread sums its own 16 rank rows (at 512, swept with out-major B, two
     warps split the rank rows and each rank block's sum crossed shared memory; offline sm_90 compile: 56
-    registers instead of 64-72). Not yet re-swept on a GPU."""
+    registers instead of 64-72). Not yet re-swept on a GPU. Chunks of rank <= 8 read tiles of 8 rows by 2048
+    columns where a program has several tiles (`half_blocks`: a batch of ranks 8-64 in a rank-64 stack took
+    x0.95 the time of 16-row tiles, one H100, bench/RESULTS-gpu.md stop 31)."""
     if block_m == 1:
-        return ShrinkConfig(block_k=256, block_r=16, programs_per_sm=8), ExpandConfig(block_n=1024, programs_per_sm=4)
+        expand = ExpandConfig(block_n=1024, programs_per_sm=4, half_blocks=True)
+        return ShrinkConfig(block_k=256, block_r=16, programs_per_sm=8), expand
     if block_m <= 16:
         return ShrinkConfig(block_k=128, block_r=16, programs_per_sm=8), ExpandConfig(block_n=512, programs_per_sm=8)
     return ShrinkConfig(block_k=64, block_r=16), ExpandConfig(block_n=64)

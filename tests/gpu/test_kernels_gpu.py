@@ -284,3 +284,60 @@ def test_static_share_out_of_large_plans(monkeypatch: pytest.MonkeyPatch, block_
     )
     torch.cuda.synchronize()
     assert rel_err(y, reference(y0, x, a, b, ranks, scalings, slots, slice_sizes)) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("options", sorted(LATENCY_OPTIONS))
+@pytest.mark.parametrize(
+    "name", ["decode-qkv-gqa-mixed", "decode-mixed-ranks-64", "decode-llama-qkv-mixed-64", "decode-odd-ranks-64"]
+)
+def test_half_block_expand_is_the_full_block_expand_bit_for_bit(name: str, options: str) -> None:
+    """`ExpandConfig.half_blocks` (chunks of rank <= 8 read in tiles of 8 rows by twice the columns, where a
+    program has several tiles) writes the bits the 16-row tiles write, eagerly and replayed in a CUDA graph with
+    new plans (one adapter: few chunks with many programs each, one tile or less a program; holes; the
+    scenario's own)."""
+    from dataclasses import replace
+
+    from engine import kernels_expand, lora_plan
+    from engine import kernels_triton as kt
+
+    token_slots, slot_ranks, max_rank, _, slice_sizes = SCENARIOS[name]
+    num_tokens = len(token_slots)
+    _, b, ranks, scalings = stacks(slot_ranks, max_rank, 16, slice_sizes, torch.bfloat16)
+    h = torch.randn(num_tokens, len(slice_sizes) * max_rank, device="cuda")
+    y0 = torch.randn(num_tokens, sum(slice_sizes), device="cuda").to(torch.bfloat16)
+    full_cfg = replace(kt.default_configs(1)[1], half_blocks=False)
+    half_cfg = replace(full_cfg, half_blocks=True)
+    capacity = lora_plan.chunk_capacity(num_tokens, len(slot_ranks), 1)
+
+    def expanded(plan: lora_plan.SegmentPlan, config: kt.ExpandConfig, y: torch.Tensor | None = None) -> torch.Tensor:
+        y = y0.clone() if y is None else y
+        options_ = LATENCY_OPTIONS[options]
+        kernels_expand.expand(y, h, b, ranks, scalings, plan, slice_sizes=slice_sizes, config=config, **options_)
+        return y
+
+    plan = lora_plan.plan_segments(token_slots, "cuda", block_m=1, num_chunks=capacity)
+    assert torch.equal(expanded(plan, half_cfg), expanded(plan, full_cfg))
+
+    y = y0.clone()
+    static = lora_plan.plan_segments(token_slots, "cuda", block_m=1, num_chunks=capacity)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        expanded(static, half_cfg, y)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        expanded(static, half_cfg, y)
+    low = [s for s in sorted({s for s in token_slots if s >= 0}) if 0 < slot_ranks[s] <= 8]
+    live = sorted({s for s in token_slots if s >= 0})
+    for slots in (
+        [low[0]] * num_tokens,
+        [live[t % len(live)] if t % 3 else -1 for t in range(num_tokens)],
+        token_slots,
+    ):
+        fresh = lora_plan.plan_segments(slots, "cuda", block_m=1, num_chunks=capacity)
+        static.copy_(fresh)
+        y.copy_(y0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, expanded(fresh, full_cfg)), slots

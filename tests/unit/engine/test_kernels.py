@@ -378,7 +378,8 @@ class TestInterpreted:
         options: dict[str, bool],
         rank_major: bool = True,
         unit_rows: int = 16,
-    ) -> None:
+        half_blocks: bool = False,
+    ) -> torch.Tensor:
         from engine import kernels_expand, kernels_shrink, lora_plan
         from engine import kernels_triton as kt
 
@@ -397,7 +398,7 @@ class TestInterpreted:
         assert rel_err(h, expected_h(case)) < tol
 
         y = case.y.clone()
-        expand_cfg = kt.ExpandConfig(block_n=16, programs_per_sm=per_sm, unit_rows=unit_rows)
+        expand_cfg = kt.ExpandConfig(block_n=16, programs_per_sm=per_sm, unit_rows=unit_rows, half_blocks=half_blocks)
         sizes = case.slice_sizes
         kernels_expand.expand(
             y, h, case.b_stack, case.ranks, case.scalings, plan, slice_sizes=sizes, config=expand_cfg, **options
@@ -405,6 +406,29 @@ class TestInterpreted:
         assert rel_err(y, expected_y(case)) < tol
         untouched = (case.token_slots < 0) | (case.token_slots == 2)
         assert torch.equal(y[untouched], case.y[untouched])
+        return y
+
+    # Per-token expand with chunks of rank <= 8 read in tiles of 8 rank rows by twice the columns
+    # (`ExpandConfig.half_blocks`): the same bits as the 16-row body, whose other 8 rows add zeros, under every
+    # latency option; ranks 4 and 8 beside 16..64 in stacks of R = 16, 24 and 64, few chunks with many programs
+    # each (adapt: a program's columns end inside a wide tile) and one program per unit (loop).
+    @pytest.mark.parametrize(("per_sm", "token_slots"), [(4, SHORT_SLOTS), (1, MIXED_SLOTS)], ids=["adapt", "loop"])
+    @pytest.mark.parametrize("options", [{}, {"pdl": True, "short_chain": True}], ids=["current", "both"])
+    @pytest.mark.parametrize(
+        ("name", "dtype"),
+        [
+            ("rank-64-mixed", torch.float32),
+            ("rank-64-mixed", torch.bfloat16),
+            ("rank-24-stack", torch.bfloat16),
+            ("qkv-slices", torch.bfloat16),
+        ],
+    )
+    def test_expand_half_blocks(
+        self, name: str, dtype: torch.dtype, options: dict[str, bool], per_sm: int, token_slots: list[int]
+    ) -> None:
+        full = self.check_shrink_and_expand(name, dtype, 1, 16, per_sm, token_slots, options)
+        half = self.check_shrink_and_expand(name, dtype, 1, 16, per_sm, token_slots, options, half_blocks=True)
+        assert torch.equal(half, full)
 
     # Expand's programs shared out per 8 rank rows (a rank-8 chunk gets half a rank-16 one's): the chunks'
     # columns are then split in more parts than a rank block loop would; also past the scan limit.

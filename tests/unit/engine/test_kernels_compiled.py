@@ -223,9 +223,10 @@ def global_loads_of_two_bytes(launch: CompiledLaunch) -> int:
 def test_lora_gemms_read_b_sixteen_bytes_at_a_time(
     launches: list[CompiledLaunch], few: bool, rank: int, group: str
 ) -> None:
-    """Both LoRA GEMMs load B's rank-major rows in 16-byte vectors, no element by element. B's column stride
-    was once passed in as an argument: equal to 1, but triton 3.6 does not specialise that, so the compiled
-    code read 2 bytes a load (16-128 loads a thread, found in the PTX, bench/RESULTS-gpu.md stop 30)."""
+    """Both LoRA GEMMs load B's rank-major rows in 16-byte vectors, not element by element. B's column stride
+    was once passed in as an argument: equal to 1, but annotated `int`, which keeps triton from specialising it,
+    so the compiled code read 2 bytes a load (16-128 loads a thread, found in the PTX, bench/RESULTS-gpu.md
+    stops 30 and 31)."""
     fan_in, sizes = group_shape(ARCHS["llama7b"], group)
     a, b = stacks(len(sizes), rank, fan_in, sum(sizes))
     ranks, scalings = slot_table()
