@@ -602,15 +602,18 @@ def section_mixed(args: argparse.Namespace, configs: dict[int, Configs], bw: flo
         )
 
 
-# Expand launch shapes compared in (c) for decode (chunks of 1): the column tile and the rank rows per work unit.
-EXPAND_SHAPES = [(bn, rows) for bn in (1024, 512, 256) for rows in (16, 8)]
+# Expand launch shapes compared in (c) for decode (chunks of 1): the column tile, the rank rows per work unit, and
+# whether chunks of rank <= 8 read tiles of 8 rows by twice the columns (`ExpandConfig.half_blocks`, the default
+# from stop 31). Tiles of 256 columns, compared before, took about 4x as long (bench/RESULTS-gpu.md).
+EXPAND_SHAPES = [(1024, 16, True), (1024, 16, False), (1024, 8, False), (512, 16, False)]
 
 
 def section_mixed_expand_shapes(args: argparse.Namespace, configs: dict[int, Configs]) -> None:
     """(c), decode: the goal's ratio under other expand launch shapes, each against uniform 16 with the same
     shape and with the default one. A rank-64 chunk's programs each loop over 4 rank blocks of at least one
-    column tile, so narrower tiles split it finer; units of 8 rank rows give a rank-8 chunk half the programs."""
-    print("\n(c) decode, expand launch shapes (block_n, rank rows per unit): mixed ranks vs uniform 16, us/layer")
+    column tile, so narrower tiles split it finer; units of 8 rank rows give a rank-8 chunk half the programs;
+    half blocks give a rank-8 chunk's program one round trip for two column tiles instead of two."""
+    print("\n(c) decode, expand launch shapes (block_n, rank rows per unit, half blocks): mixed ranks vs uniform 16")
     mixed, slots = mixed_ranks_and_slots()
     layers = 2 if args.quick else 4
     stacks = {
@@ -619,22 +622,22 @@ def section_mixed_expand_shapes(args: argparse.Namespace, configs: dict[int, Con
         "mixed": (mixed, 64),
     }
     default = replace(configs[1], variant=DEFAULTS)
-    times: dict[tuple[int, int], dict[str, float]] = {}
+    times: dict[tuple[int, int, bool], dict[str, float]] = {}
     for name, (ranks, max_rank) in stacks.items():
         stack = LayerStack(ranks, max_rank, layers, 1, True)
         stack.use(slots)
-        for bn, rows in EXPAND_SHAPES:
-            cfg = replace(default, expand=replace(default.expand, block_n=bn, unit_rows=rows))
+        for bn, rows, half in EXPAND_SHAPES:
+            cfg = replace(default, expand=replace(default.expand, block_n=bn, unit_rows=rows, half_blocks=half))
             graph = stack.graph(partial(_run, plan=stack.plan, cfg=cfg))
-            check_lora(stack.loras[0], slots, graph.replay, f"{name}, expand {bn}/{rows} (graph)")
-            times.setdefault((bn, rows), {})[name] = median_us(graph.replay, args.quick) / layers
+            check_lora(stack.loras[0], slots, graph.replay, f"{name}, expand {bn}/{rows}/{half} (graph)")
+            times.setdefault((bn, rows, half), {})[name] = median_us(graph.replay, args.quick) / layers
             del graph
         del stack
         torch.cuda.empty_cache()
-    ref = times[(default.expand.block_n, default.expand.unit_rows)]["uniform 16 (R=16)"]
-    for (bn, rows), row in times.items():
+    ref = times[(default.expand.block_n, default.expand.unit_rows, default.expand.half_blocks)]["uniform 16 (R=16)"]
+    for (bn, rows, half), row in times.items():
         line = (
-            f"(c) decode, expand {bn:4d} cols / {rows:2d} rows per unit: "
+            f"(c) decode, expand {bn:4d} cols / {rows:2d} rows per unit / half blocks {'on ' if half else 'off'}: "
             + ", ".join(f"{n} {t:5.1f} us" for n, t in row.items())
             + f"; mixed x{row['mixed'] / row['uniform 16 (R=16)']:.2f} the same shape's uniform 16,"
             f" x{row['mixed'] / ref:.2f} the default's"
