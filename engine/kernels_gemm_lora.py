@@ -282,8 +282,8 @@ def checked_layout(
     split_k: int | None,
 ) -> tuple[int, int, int]:
     """(rank per slice, column tile, splits of K) of a LoRA GEMM over these operands (`tiling`; `split_k`
-    overrides the splits). Raises ValueError where they disagree or do not fit (`fits`). Shared with
-    `kernels_gemm_lora_few`."""
+    overrides the splits). Raises ValueError where they disagree or do not fit (`fits`), or B's columns are not
+    contiguous (the kernels read them so). Shared with `kernels_gemm_lora_few`."""
     k_dim, n_dim = x.shape[1], w.shape[0]
     lr = a_stack.shape[1]
     r_slice = lr // len(sizes)
@@ -381,10 +381,10 @@ def gemm_lora(
 
     At most one slot may appear among `token_slots` (besides -1): the caller guarantees it (a tile's rows would
     otherwise all take its largest slot's adapter). `b_stack` is the `[S, N, R]` view of rank-major storage, as
-    `kernels_expand.expand` takes it. Raises ValueError where the shapes do not fit (`fits` False: use the
-    separate kernels). `split_k` overrides the splits of K that `tiling` picks, `block_m` the row tile that
-    `row_tile` picks, `num_stages` and `block_k` the pipeline depth and K tile `_pipeline` picks and `num_warps`
-    the warps (tests, benches: `bench/gemm_lora_rows.py --sweep`).
+    `kernels_expand.expand` takes it (any other layout: ValueError). Raises ValueError where the shapes do not
+    fit (`fits` False: use the separate kernels). `split_k` overrides the splits of K that `tiling` picks,
+    `block_m` the row tile that `row_tile` picks, `num_stages` and `block_k` the pipeline depth and K tile
+    `_pipeline` picks and `num_warps` the warps (tests, benches: `bench/gemm_lora_rows.py --sweep`).
     """
     num_tokens, k_dim = x.shape
     n_dim = w.shape[0]

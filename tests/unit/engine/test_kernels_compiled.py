@@ -67,6 +67,21 @@ def slot_table() -> tuple[torch.Tensor, torch.Tensor]:
     return empty(SLOTS, dtype=torch.int32), empty(SLOTS, dtype=torch.float32)
 
 
+def launch_gemm(arch: str, group: str, rank: int, tokens: int, few: bool = False) -> None:
+    """One LoRA GEMM launch (the few-adapter one if `few`) of `tokens` rows over a projection group's stacks,
+    on meta operands as the engine passes them."""
+    fan_in, sizes = group_shape(ARCHS[arch], group)
+    a, b = stacks(len(sizes), rank, fan_in, sum(sizes))
+    ranks, scalings = slot_table()
+    x, w, slots = empty(tokens, fan_in), empty(sum(sizes), fan_in), empty(tokens, dtype=torch.int32)
+    if few:
+        listed = empty(kernels_gemm_lora_few.capacity(rank), dtype=torch.int32)
+        sync = empty(kernels_gemm_lora_few.SYNC_WORDS, dtype=torch.int32)
+        kernels_gemm_lora_few.gemm_lora_few(x, w, None, a, b, ranks, scalings, slots, listed, sync, slice_sizes=sizes)
+    else:
+        kernels_gemm_lora.gemm_lora(x, w, None, a, b, ranks, scalings, slots, slice_sizes=sizes)
+
+
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[CompiledLaunch]]:
     with compile_only(H200, monkeypatch) as compiled:
@@ -86,13 +101,10 @@ def assert_fit(launches: list[CompiledLaunch], *kernels: str) -> None:
 @pytest.mark.parametrize("group", PROJECTION_GROUPS)
 @pytest.mark.parametrize("tokens", [1, 64, 72, 128])  # 72 and 128: a decode batch of 64 with a joiner's rows
 def test_lora_gemm(launches: list[CompiledLaunch], arch: str, rank: int, group: str, tokens: int) -> None:
-    fan_in, sizes = group_shape(ARCHS[arch], group)
+    _, sizes = group_shape(ARCHS[arch], group)
     if not kernels_gemm_lora.fits(sizes, rank):
         pytest.skip(f"{arch} {group}: the engine runs the separate kernels (no common column tile)")
-    a, b = stacks(len(sizes), rank, fan_in, sum(sizes))
-    ranks, scalings = slot_table()
-    x, w, slots = empty(tokens, fan_in), empty(sum(sizes), fan_in), empty(tokens, dtype=torch.int32)
-    kernels_gemm_lora.gemm_lora(x, w, None, a, b, ranks, scalings, slots, slice_sizes=sizes)
+    launch_gemm(arch, group, rank, tokens)
     assert_fit(launches, "_gemm_lora_kernel")
 
 
@@ -176,11 +188,7 @@ def test_lora_gemm_keeps_its_registers(launches: list[CompiledLaunch], rank: int
     """The one-adapter GEMM of a Llama-7B decode step (its hot path: 144-210 registers a thread) spills none
     to local memory, which would put memory traffic inside the loop that streams the weights; nor does its
     tile of 128 rows (8 warps)."""
-    fan_in, sizes = group_shape(ARCHS["llama7b"], "qkv")
-    a, b = stacks(len(sizes), rank, fan_in, sum(sizes))
-    ranks, scalings = slot_table()
-    x, w, slots = empty(tokens, fan_in), empty(sum(sizes), fan_in), empty(tokens, dtype=torch.int32)
-    kernels_gemm_lora.gemm_lora(x, w, None, a, b, ranks, scalings, slots, slice_sizes=sizes)
+    launch_gemm("llama7b", "qkv", rank, tokens)
     (launch,) = launches
     registers, spilled = launch.registers()
     assert spilled == 0, f"{spilled} bytes spilled at {registers} registers a thread"
@@ -195,15 +203,10 @@ def test_lora_gemm_of_few_adapters(
 ) -> None:
     """The few-adapter GEMM (shrink programs beside the GEMM's in one launch) compiles at the engine's shapes,
     fits an SM's shared memory and spills no register."""
-    fan_in, sizes = group_shape(ARCHS[arch], group)
+    _, sizes = group_shape(ARCHS[arch], group)
     if not kernels_gemm_lora_few.fits(sizes, rank):
         pytest.skip(f"{arch} {group}: the engine runs the separate kernels (no common column tile)")
-    a, b = stacks(len(sizes), rank, fan_in, sum(sizes))
-    ranks, scalings = slot_table()
-    x, w, slots = empty(tokens, fan_in), empty(sum(sizes), fan_in), empty(tokens, dtype=torch.int32)
-    listed = empty(kernels_gemm_lora_few.capacity(rank), dtype=torch.int32)
-    sync = empty(kernels_gemm_lora_few.SYNC_WORDS, dtype=torch.int32)
-    kernels_gemm_lora_few.gemm_lora_few(x, w, None, a, b, ranks, scalings, slots, listed, sync, slice_sizes=sizes)
+    launch_gemm(arch, group, rank, tokens, few=True)
     assert_fit(launches, "_gemm_lora_few_kernel")
     (launch,) = launches
     registers, spilled = launch.registers()
@@ -227,15 +230,6 @@ def test_lora_gemms_read_b_sixteen_bytes_at_a_time(
     was once passed in as an argument: equal to 1, but annotated `int`, which keeps triton from specialising it,
     so the compiled code read 2 bytes a load (16-128 loads a thread, found in the PTX, bench/RESULTS-gpu.md
     stops 30 and 31)."""
-    fan_in, sizes = group_shape(ARCHS["llama7b"], group)
-    a, b = stacks(len(sizes), rank, fan_in, sum(sizes))
-    ranks, scalings = slot_table()
-    x, w, slots = empty(64, fan_in), empty(sum(sizes), fan_in), empty(64, dtype=torch.int32)
-    if few:
-        listed = empty(kernels_gemm_lora_few.capacity(rank), dtype=torch.int32)
-        sync = empty(kernels_gemm_lora_few.SYNC_WORDS, dtype=torch.int32)
-        kernels_gemm_lora_few.gemm_lora_few(x, w, None, a, b, ranks, scalings, slots, listed, sync, slice_sizes=sizes)
-    else:
-        kernels_gemm_lora.gemm_lora(x, w, None, a, b, ranks, scalings, slots, slice_sizes=sizes)
+    launch_gemm("llama7b", group, rank, 64, few)
     (launch,) = launches
     assert global_loads_of_two_bytes(launch) == 0
