@@ -19,11 +19,17 @@ running engine fills its arena before any extent comes back): loader processes t
 page tables filled as they started (the engine's way since stop 28) against ones that map it lazily and take a
 page fault at each first write (before), alternating. `--fault-shape llama-7b` loads 16 Llama-7B-shaped layers
 (the goals' dimensions, 40 MB slot images) instead of SmolLM2's 30.
+
+And the packing of one loader part on one core: 4 of a 32-layer Llama-7B adapter's layers (what each of 8
+processes packs), B kept as the file stores it ([out, rank], the engine's image layout since stop 32) against
+B turned rank-major on the CPU (the layout before), alternating.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import statistics
 import sys
 import tempfile
@@ -38,9 +44,9 @@ import torch
 
 from bench.percentiles import percentile  # (not from gateway_rest: it imports grpc)
 from engine.adapter_loader import AdapterLoader, ProcessLoader, ThreadLoader
-from engine.adapters import read_spec
+from engine.adapters import _mapped_layers, _pairs, read_spec
 from engine.config import EngineConfig, ModelArch
-from engine.lora import LoRAStacks, image_groups
+from engine.lora import PROJECTION_GROUPS, LoRAStacks, SlotLayout, image_groups, pack_layers
 from engine.pinned_arena import PinnedArena
 from tests.unit.engine.tiny import write_adapter
 
@@ -74,9 +80,14 @@ def main() -> None:
     ap.add_argument("--single-loads", type=int, default=20, help="loads timed one at a time, per loader")
     ap.add_argument("--fault-loads", type=int, default=10, help="loads into new extents, per loader")
     ap.add_argument("--fault-shape", choices=("smollm2", "llama-7b"), default="smollm2")
+    ap.add_argument("--pack-rounds", type=int, default=20, help="packings of one loader part timed, per layout")
+    ap.add_argument("--pack-only", action="store_true", help="only the packing of one loader part")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="loading-"))
+    if args.pack_only:
+        report_packing(args, pack_b_layouts(tmp, args.pack_rounds))
+        return
     layout = LoRAStacks(SMOLLM2, 1, 16, torch.bfloat16, torch.device("cpu"), fused=True).layout
     # The arena is page-locked only where a GPU engine would pin it.
     arena = PinnedArena(512 << 20, pin=torch.cuda.is_available())
@@ -134,6 +145,7 @@ def main() -> None:
         loader.close()
     arena.close()
     faults = loads_into_new_extents(args, specs)
+    packing = pack_b_layouts(tmp, args.pack_rounds)
     med = statistics.median
     print("\n== summary ==")
     longest = ", ".join(f"{phase} {med(worst[phase]) * 1e3:.1f} ms" for phase in phases)
@@ -156,6 +168,71 @@ def main() -> None:
         f"one {args.fault_shape} load into new extents (median of {args.fault_loads}, {args.workers} processes): "
         f"arena mapped populated {populated * 1e3:.1f} ms, lazily {lazy * 1e3:.1f} ms: {populated / lazy:.2f}x"
     )
+    report_packing(args, packing)
+
+
+def report_packing(args: argparse.Namespace, packing: dict[str, list[float]]) -> None:
+    out_major, rank_major = statistics.median(packing["out-major"]), statistics.median(packing["rank-major"])
+    print(
+        f"packing 4 of 32 Llama-7B layers on one core (median of {args.pack_rounds}): B out-major (the engine's) "
+        f"{out_major * 1e3:.2f} ms, rank-major (before) {rank_major * 1e3:.2f} ms: {out_major / rank_major:.2f}x"
+    )
+
+
+def _pack_rank_major(
+    layout: SlotLayout,
+    image: torch.Tensor,
+    groups: tuple[str, ...],
+    rank: int,
+    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+    layers: range,
+) -> None:
+    """The packing of stops 19-31, for comparison: each B converted, then copied transposed into a rank-major
+    image ([layers, rank, out] per group)."""
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    offset = 0
+    for group in groups:
+        slices = layout.group_slices[group]
+        a_shape = (layout.num_layers, len(slices), rank, layout.group_fan_in[group])
+        b_shape = (layout.num_layers, rank, sum(slices))
+        a_img = image[offset : offset + math.prod(a_shape)].view(a_shape)
+        offset += math.prod(a_shape)
+        b_img = image[offset : offset + math.prod(b_shape)].view(b_shape)
+        offset += math.prod(b_shape)
+        for layer in layers:
+            n0 = 0
+            for i, (module, width) in enumerate(zip(PROJECTION_GROUPS[group], slices, strict=True)):
+                a, b = tensors[(layer, module)]
+                dst += [a_img[layer, i], b_img[layer, :, n0 : n0 + width].t()]
+                src += [a, b.to(image.dtype)]
+                n0 += width
+    torch._foreach_copy_(dst, src)
+
+
+def pack_b_layouts(tmp: Path, rounds: int) -> dict[str, list[float]]:
+    """Seconds to pack one loader part (4 of 32 Llama-7B layers, rank 16, all seven projections, from the file's
+    memory map into bf16) with B out-major (`pack_layers`) and rank-major (`_pack_rank_major`), alternating."""
+    arch = dataclasses.replace(LLAMA_7B_16, num_layers=32)
+    folder = write_adapter(tmp / "pack", arch=arch, rank=16, alpha=16, modules=ALL7, seed=7)
+    layout = LoRAStacks(arch, 1, 16, torch.bfloat16, torch.device("cpu"), fused=True).layout
+    assert layout is not None
+    groups = image_groups(ALL7)
+    image = torch.empty(layout.image_size(groups, 16), dtype=torch.bfloat16)
+    layers = range(4, 8)
+    tensors = _pairs(folder, _mapped_layers(folder, arch.num_layers, layers))
+    packers: dict[str, Callable[[], object]] = {
+        "out-major": lambda: pack_layers(layout, image, groups, 16, tensors, layers),
+        "rank-major": lambda: _pack_rank_major(layout, image, groups, 16, tensors, layers),
+    }
+    times: dict[str, list[float]] = {name: [] for name in packers}
+    for i in range(rounds + 1):  # the first round warms the page cache and the allocator, untimed
+        for name, pack in packers.items():
+            start = time.perf_counter()
+            pack()
+            if i:
+                times[name].append(time.perf_counter() - start)
+    return times
 
 
 def loads_into_new_extents(args: argparse.Namespace, specs: Callable[..., list]) -> dict[str, list[float]]:  # type: ignore[type-arg]

@@ -37,8 +37,9 @@ class AdapterWeights:
     modules: frozenset[str]
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     # For fused (CUDA) stacks the adapter is held instead as one buffer in slot layout (`pack_adapter`):
-    # per group in `packed_groups`, A [layers, members, rank, in] then B rank-major [layers, rank, out], at
-    # the adapter's own rank (the copy into a slot pads to the stack's max rank).
+    # per group in `packed_groups`, A [layers, members, rank, in] then B [layers, out, rank] (each member's B
+    # as the file stores it, one under the other), at the adapter's own rank. The copy into a slot pads to the
+    # stack's max rank and turns B rank-major, as the stacks keep it.
     packed: torch.Tensor | None = None
     packed_groups: tuple[str, ...] = ()
 
@@ -63,15 +64,19 @@ class SlotLayout:
         return sum(math.prod(a) + math.prod(b) for a, b in (self._shapes(group, rank) for group in groups))
 
     def _shapes(self, group: str, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """A [layers, members, rank, in] and B [layers, rank, out] of `group` in an image of `rank`."""
+        """A [layers, members, rank, in] and B [layers, out, rank] of `group` in an image of `rank`."""
         slices = self.group_slices[group]
-        return (self.num_layers, len(slices), rank, self.group_fan_in[group]), (self.num_layers, rank, sum(slices))
+        return (self.num_layers, len(slices), rank, self.group_fan_in[group]), (self.num_layers, sum(slices), rank)
 
     def images(
         self, buffer: torch.Tensor, groups: tuple[str, ...], rank: int
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Views of `buffer` as each group's A [layers, members, rank, in] and B [layers, rank, out] (rank-major,
-        as the fused stacks store B: a layer's B is `rank` contiguous rows)."""
+        """Views of `buffer` as each group's A [layers, members, rank, in] and B [layers, out, rank].
+
+        B is out-major, as PEFT files store it (a member's B is [out, rank]), not rank-major as the stacks keep
+        it: packing then converts each B with one contiguous copy on the loader's CPU, and the fill's device copy
+        transposes it. Packed rank-major, B's transposed copy took two thirds of a load's CPU time (4 Llama-7B
+        layers: 4.0 against 1.1 ms on one core, bench/RESULTS-gpu.md stop 32)."""
         out, offset = [], 0
         for group in groups:
             a_shape, b_shape = self._shapes(group, rank)
@@ -123,17 +128,13 @@ def pack_layers(
         for layer in layers:
             n0 = 0
             for i, (module, width) in enumerate(zip(PROJECTION_GROUPS[group], layout.group_slices[group], strict=True)):
-                views = [a_img[layer, i], b_img[layer, :, n0 : n0 + width].t()]  # B [out, r] into [r, out]
+                views = [a_img[layer, i], b_img[layer, n0 : n0 + width]]
                 pair = tensors.get((layer, module))
                 if pair is None:
                     absent += views
                 else:
-                    a, b = pair
-                    # B converted first, then copied transposed: a copy that converts and transposes at once
-                    # took twice as long (fp32 [4096, 16] into bf16: 60 against 33 us on one core), and B is
-                    # most of a load's packing time.
                     dst += views
-                    src += [a, b if b.dtype == image.dtype else b.to(image.dtype)]
+                    src += pair
                 n0 += width
     if absent:
         torch._foreach_zero_(absent)
@@ -299,7 +300,7 @@ class LoRAStacks:
 
     def _copy_packed(self, slot: int, adapter: AdapterWeights) -> None:
         # Per group, the slot of every layer is one strided view: copy the image into its first `rank`
-        # rows (A, and the rank-major B), zero the rest up to max rank. Groups the adapter leaves alone keep
+        # rows (A, and B turned rank-major), zero the rest up to max rank. Groups the adapter leaves alone keep
         # stale weights behind a group rank of 0, which the kernels skip.
         assert adapter.packed is not None and self._staging is not None
         self._staging[: adapter.packed.numel()].copy_(adapter.packed, non_blocking=True)
@@ -317,7 +318,8 @@ class LoRAStacks:
         if key not in self._staging_views:
             assert self.layout is not None and self._staging is not None
             images = self.layout.images(self._staging, groups, rank)
-            self._staging_views[key] = [t for pair in images for t in pair]
+            # B [layers, out, rank] read as [layers, rank, out]: the copy into the slot transposes it.
+            self._staging_views[key] = [t for a, b in images for t in (a, b.transpose(1, 2))]
         return self._staging_views[key]
 
     def _slot_views(

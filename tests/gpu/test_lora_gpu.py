@@ -39,3 +39,23 @@ def test_slot_fills_and_evictions_never_wait_for_the_gpu(tmp_path: Path) -> None
     stacks.reset_lora(1)
     torch.cuda.synchronize()
     assert stacks.ranks.tolist() == [4, 0] and stacks.scalings.tolist() == [2.0, 0.0]
+
+
+def test_a_packed_fill_turns_b_rank_major_on_the_gpu(tmp_path: Path) -> None:
+    """A slot image keeps B as the file stores it ([out, rank] per member) and the fill's device copy transposes
+    it: the slot must then hold, bit for bit, each member's B in its columns and zeros past the rank."""
+    stacks = LoRAStacks(TINY, 2, 8, torch.bfloat16, torch.device("cuda"))
+    assert stacks.layout is not None
+    modules = ("q_proj", "v_proj", "gate_proj", "down_proj")
+    spec = read_spec(write_adapter(tmp_path / "a", rank=4, alpha=8, modules=modules), TINY, 8)
+    loose = load_adapter(spec, torch.bfloat16, pin=False)
+    packed = load_adapter(spec, torch.bfloat16, pin=True, layout=stacks.layout)
+    stacks.set_lora(1, loose)  # (a fill of loose weights packs them first)
+    stacks.set_lora(0, packed)
+    torch.cuda.synchronize()
+    for (layer, module), (a, b) in loose.tensors.items():
+        torch.testing.assert_close(stacks.b[(layer, module)][0, :, :4].cpu(), b, rtol=0, atol=0)
+        torch.testing.assert_close(stacks.a[(layer, module)][0, :4].cpu(), a, rtol=0, atol=0)
+        assert torch.count_nonzero(stacks.b[(layer, module)][0, :, 4:]) == 0
+    for group_b in stacks.group_b.values():
+        torch.testing.assert_close(group_b[0], group_b[1], rtol=0, atol=0)

@@ -133,21 +133,22 @@ def test_packed_adapters_fill_fused_stacks_like_loose_copies() -> None:
     assert y_fused[1].abs().sum() == 0 and y_fused[0].abs().sum() > 0
 
 
-def test_fused_stacks_and_images_store_b_rank_major() -> None:
+def test_fused_stacks_store_b_rank_major_and_images_out_major() -> None:
     """Fused stacks keep B as [slots, max_rank, out] storage behind [slots, out, max_rank] views (N contiguous,
-    what the expand kernel reads row by row up to each rank); a slot image's B is [layers, rank, out]."""
+    what the expand kernel reads row by row up to each rank); a slot image's B is [layers, out, rank], each
+    member's B as the file has it (packed without a transposed copy), and the fill transposes it."""
     fused = LoRAStacks(TINY, slots=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"), fused=True)
     adapter = random_adapter(4, 1.0, ("q_proj", "v_proj"), seed=8)
     packed = fused.pack(adapter)
     assert fused.layout is not None and packed.packed is not None and packed.packed_groups == ("qkv",)
     ((_, b_img),) = fused.layout.images(packed.packed, packed.packed_groups, 4)
     widths = fused.group_slices["qkv"]
-    assert b_img.shape == (TINY.num_layers, 4, sum(widths)) and b_img.is_contiguous()
+    assert b_img.shape == (TINY.num_layers, sum(widths), 4) and b_img.is_contiguous()
     fused.set_lora(1, packed)
     for layer in range(TINY.num_layers):
         group_b = fused.group_b[(layer, "qkv")]
         assert group_b.shape == (2, sum(widths), 8) and group_b.stride(1) == 1
-        torch.testing.assert_close(b_img[layer, :, : widths[0]], adapter.tensors[(layer, "q_proj")][1].t())
+        torch.testing.assert_close(b_img[layer, : widths[0]], adapter.tensors[(layer, "q_proj")][1])
         torch.testing.assert_close(fused.b[(layer, "q_proj")][1, :, :4], adapter.tensors[(layer, "q_proj")][1])
         assert torch.count_nonzero(fused.b[(layer, "k_proj")][1]) == 0  # absent member: zero in the image
         assert torch.count_nonzero(group_b[1, :, 4:]) == 0
