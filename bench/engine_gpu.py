@@ -8,7 +8,8 @@ of a whole decode layer. Run on a CUDA machine: `PYTHONPATH=. python3 bench/engi
     zeroes them once per step (`LayerStack`; figures before 2026-12-03 had a memset per layer).
 (c) mixed ranks {8, 16, 32, 64} in one rank-64 stack against uniform rank 16, at equal adapter bytes, with the
     kernels' default latency options, next to the ratios measured before B was stored rank-major; the mix is
-    also run with out-major B side by side. `--only c` runs just (c) (`--quick`: 2 layers, shorter timing).
+    also run with out-major B side by side; then the goal's pair timed in alternating rounds, the figure of
+    record. `--only c` runs just (c) (`--quick`: 2 layers, shorter timing).
 Every stack stores B as the engine does, rank-major (`[S, R, N]`, passed to the kernels as the transposed
 `[S, N, R]` view), but for (c)'s out-major comparison.
 (b) one decoder layer's decode step (KV length 512, SDPA, CUDA graph; eager separately): no LoRA,
@@ -646,6 +647,42 @@ def section_mixed_expand_shapes(args: argparse.Namespace, configs: dict[int, Con
         SUMMARY.append(line)
 
 
+def section_mixed_alternating(args: argparse.Namespace, configs: dict[int, Configs]) -> None:
+    """(c), decode, the goal's pair timed in turns: the sections above time each stack once, one after the other,
+    and their uniform-16 baselines differed by 3.5% (stop 32). Here both graphs exist at once and each round
+    times one, then the other (the order switching every round); the figure is the median of the rounds'
+    ratios."""
+    mixed, slots = mixed_ranks_and_slots()
+    layers = 2 if args.quick else 4
+    rounds = 6 if args.quick else 16
+    cfg = replace(configs[1], variant=DEFAULTS)
+    stacks = {
+        "uniform 16 (R=16)": LayerStack([RANK] * SLOTS, RANK, layers, 1, True),
+        "mixed": LayerStack(mixed, 64, layers, 1, True),
+    }
+    graphs = {}
+    for name, stack in stacks.items():
+        stack.use(slots)
+        graphs[name] = stack.graph(partial(_run, plan=stack.plan, cfg=cfg))
+        check_lora(stack.loras[0], slots, graphs[name].replay, f"{name}, alternating (graph)")
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for i in range(rounds):
+        for name in list(graphs)[:: 1 if i % 2 == 0 else -1]:
+            times[name].append(median_us(graphs[name].replay, args.quick) / layers)
+    ratios = sorted(m / u for m, u in zip(times["mixed"], times["uniform 16 (R=16)"], strict=True))
+    ratio = ratios[len(ratios) // 2]
+    uniform, mix = (sorted(t)[len(t) // 2] for t in times.values())
+    line = (
+        f"(c) decode, alternating, {rounds} rounds: uniform 16 (R=16) {uniform:5.1f} us, mixed {mix:5.1f} us a layer; "
+        f"mixed/uniform x{ratio:.3f} (median of rounds; range x{ratios[0]:.3f}-x{ratios[-1]:.3f}; goal <= 1.05 "
+        f"{'met' if ratio <= 1.05 else 'NOT met'})"
+    )
+    print("\n" + line)
+    SUMMARY.append(line)
+    del graphs, stacks
+    torch.cuda.empty_cache()
+
+
 class DecodeLayer:
     """One Llama-7B decoder layer with random bf16 weights and a KV cache of KV_LEN positions."""
 
@@ -860,6 +897,7 @@ def main() -> None:
         try:
             section_mixed(args, configs, bw)
             section_mixed_expand_shapes(args, configs)
+            section_mixed_alternating(args, configs)
         except Exception:
             traceback.print_exc()
             failed = True
