@@ -96,11 +96,9 @@ class ProcessLoader:
         arena: PinnedArena | None = None,
         populate_arena: bool = True,
     ) -> None:
-        """With `arena` (and fused stacks' `layout`), one load is split over `workers` processes, by layers.
-        One more process runs beside them, so that a check (`check`) need not wait for a load's parts: a hot
-        swap checks its new version while that loads (`AdapterPool._load_ahead`). Each process maps the arena
-        as it starts, its page tables filled (`map_arena`); `populate_arena=False` leaves them to fill page by
-        page as loads write (bench/adapter_loading.py compares)."""
+        """With `arena` (and fused stacks' `layout`), one load is split over all `workers`, by layers. Each
+        worker maps the arena as it starts, its page tables filled (`map_arena`); `populate_arena=False` leaves
+        them to fill page by page as loads write (bench/adapter_loading.py compares)."""
         self._dtype, self._layout, self._arena = dtype, layout, arena
         self._populate_arena = populate_arena
         self._pin = torch.cuda.is_available()
@@ -111,14 +109,13 @@ class ProcessLoader:
     def _start_workers(self) -> ProcessPoolExecutor:
         # spawn, not fork: the engine process may hold CUDA state and threads a forked child cannot use.
         context = multiprocessing.get_context("spawn")
-        processes = self._workers + 1  # (one for checks, see __init__)
         executor = ProcessPoolExecutor(
-            max_workers=processes,
+            max_workers=self._workers,
             mp_context=context,
             initializer=_worker_init,
             initargs=(self._arena.name if self._arena is not None else None, self._populate_arena),
         )
-        for _ in range(processes):  # the pool starts one more worker per task while none is idle
+        for _ in range(self._workers):  # the pool starts one more worker per task while none is idle
             executor.submit(_started)
         return executor
 
@@ -139,7 +136,7 @@ class ProcessLoader:
         """`read_spec` in a worker, waited for. The header check is milliseconds of Python: on a thread of the
         engine process (a gRPC handler's) it held the GIL that long, and the step loop, waiting for it,
         doubled the inter-token gaps of running requests (bench/RESULTS-gpu.md). The queue is the loads'
-        one: a check runs beside one load's parts, and waits behind any more loads submitted before it."""
+        one, so a check waits behind the loads submitted before it."""
         try:
             return self._checked(path, arch, max_rank)
         except BrokenProcessPool:  # a worker died meanwhile (maybe loading another adapter): once more

@@ -35,8 +35,8 @@ class EngineConfig:
     adapter_eviction: str = "frequency"  # LoRA slots: frequency (decayed frequency, recency, pinning) | lru
     # Where adapter files are read: thread | process (keeps the GIL free) | auto (process on CUDA, else thread)
     adapter_loader: str = "auto"
-    # Loader processes; with the shared arena one load is split over all of them by layers (one more process
-    # runs checks beside a load). 0 = auto: half the cores, 2 to 8.
+    # Loader processes; with the shared arena one load is split over all of them by layers. 0 = auto: half
+    # the cores, 2 to 8.
     adapter_loader_workers: int = 0
     # CUDA with loader processes: page-locked shared memory taken at start-up, which the loaders write host
     # images straight into (beyond it, each image is pinned alone)

@@ -13,7 +13,6 @@ the old version finish on it, and its slot is freed when the last of them releas
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
 import itertools
@@ -130,7 +129,6 @@ class AdapterPool:
         self.slot_misses = 0  # acquires that needed a fill, their own or one ahead for them (`fill_ahead`)
         self.fills_ahead = 0
         self.negative_ttl_s = 10.0
-        self.load_ahead = True  # `_load_ahead` (bench/engine_gpu_e2e.py's (f) times swaps without it too)
 
     def close(self) -> None:
         self._loader.close()
@@ -143,88 +141,30 @@ class AdapterPool:
         A first version is current at once (its requests wait for its load). A replacement is staged: the
         current version keeps serving until the new one's weights are loaded, then the name switches.
         """
-        ahead = self._load_ahead(name, Path(path))
-        try:
-            spec = self._loader.check(Path(path), self._arch, self._stacks.max_rank)
-        except BaseException:
-            if ahead is not None:
-                self._abandon(ahead[1])
-            raise
-        loading = self._adopt(ahead, spec)
+        spec = self._loader.check(Path(path), self._arch, self._stacks.max_rank)
         version = AdapterVersion(name=name, spec=spec, pinned=pinned)
-        try:
-            with self._lock:
-                if pinned:
-                    self._check_pin_room(name)
-                old = self._by_name.get(name)
-                # The latest registration wins, the current path's too: a replacement still loading must not
-                # take the name over once it has loaded.
-                superseded = self._staged.pop(name, None)
-                if superseded is not None:
-                    self._retire(superseded)
-                if old is not None and old.spec.path == spec.path and old.error is None:
-                    unpinned, old.pinned = old.pinned and not pinned, pinned
-                    if unpinned:  # its host copy may have to go now, like any other beyond the capacity
-                        self._trim_host(keep=None)
-                    return old
-                if old is not None and old.error is None:
-                    self._staged[name] = version
-                else:
-                    self._by_name[name] = version
-                    if old is not None:
-                        self._retire(old)
-                self._start_load(version, loading)
-                loading = None
-        finally:
-            if loading is not None:  # (a refused pin, or the current path registered again)
-                self._abandon(loading)
-        return version
-
-    def _load_ahead(self, name: str, path: Path) -> tuple[AdapterSpec, Future[AdapterWeights]] | None:
-        """For a new version of a name that serves: its load, started before its check, with the current
-        version's rank and projections, which a new version of an adapter most often keeps. The check (a
-        round trip to a loader process, 3-5 ms on a GPU host) and the load then run side by side, and a hot
-        swap takes that much less from apply to the first request on the new version (bench/RESULTS-gpu.md,
-        stop 32). The load checks each tensor it reads against those shapes; `_adopt` keeps it only if the
-        check finds the same ones."""
         with self._lock:
+            if pinned:
+                self._check_pin_room(name)
             old = self._by_name.get(name)
-            if not self.load_ahead or old is None or old.error is not None or old.spec.path == path:
-                return None
-            guess = dataclasses.replace(old.spec, path=path)
-            self.loads_started += 1
-            self._make_arena_room(guess)
-            try:
-                return guess, self._loader.submit(guess)
-            except Exception:  # no loader could take it: the version loads once checked, or fails there
-                return None
-
-    def _adopt(
-        self, ahead: tuple[AdapterSpec, Future[AdapterWeights]] | None, spec: AdapterSpec
-    ) -> Future[AdapterWeights] | None:
-        """The load started ahead of `spec`'s check, if it reads the checked rank and projections; else None,
-        and that load is abandoned. (A different alpha only scales the weights: `_loaded` applies `spec`'s.)"""
-        if ahead is None:
-            return None
-        guess, future = ahead
-        if (guess.rank, guess.modules) == (spec.rank, spec.modules):
-            return future
-        self._abandon(future)
-        return None
-
-    def _abandon(self, future: Future[AdapterWeights]) -> None:
-        """Stop a load nobody will use. One that has ended already gives its image's extent back to the arena."""
-        if future.cancel():
-            return
-
-        def give_back(done: Future[AdapterWeights]) -> None:
-            if done.cancelled() or done.exception() is not None or self._arena is None:
-                return
-            packed = done.result().packed
-            if packed is not None and self._arena.holds(packed):
-                self._arena.give_back(packed)
-
-        future.add_done_callback(give_back)
+            # The latest registration wins, the current path's too: a replacement still loading must not
+            # take the name over once it has loaded.
+            superseded = self._staged.pop(name, None)
+            if superseded is not None:
+                self._retire(superseded)
+            if old is not None and old.spec.path == spec.path and old.error is None:
+                unpinned, old.pinned = old.pinned and not pinned, pinned
+                if unpinned:  # its host copy may have to go now, like any other beyond the capacity
+                    self._trim_host(keep=None)
+                return old
+            if old is not None and old.error is None:
+                self._staged[name] = version
+            else:
+                self._by_name[name] = version
+                if old is not None:
+                    self._retire(old)
+            self._start_load(version)
+        return version
 
     def _check_pin_room(self, name: str) -> None:
         # Pinned adapters are never evicted: were every slot to hold one, requests for any other adapter would
@@ -380,23 +320,19 @@ class AdapterPool:
 
     # -- internals (lock held) ----------------------------------------------------------------------
 
-    def _start_load(self, version: AdapterVersion, started: Future[AdapterWeights] | None = None) -> None:
-        """Load `version`'s weights, or take over `started`, its load begun before its check (`_load_ahead`)."""
+    def _start_load(self, version: AdapterVersion) -> None:
+        self.loads_started += 1
+        self._make_arena_room(version.spec)
         version.error = None
         version.settled.clear()
-        if started is not None:
-            future = started
-        else:
-            self.loads_started += 1
-            self._make_arena_room(version.spec)
-            try:
-                future = self._loader.submit(version.spec)
-            except Exception as exc:
-                # No loader could take it (loader processes that cannot start again): a failed load, held in
-                # the negative cache. Raised, it left `ready` in the engine's loop, and `register` with the
-                # version in place but nothing loading it.
-                future = Future()
-                future.set_exception(exc)
+        try:
+            future = self._loader.submit(version.spec)
+        except Exception as exc:
+            # No loader could take it (loader processes that cannot start again): a failed load, held in the
+            # negative cache. Raised, it left `ready` in the engine's loop, and `register` with the version in
+            # place but nothing loading it.
+            future = Future()
+            future.set_exception(exc)
         version.loading = future
         future.add_done_callback(functools.partial(self._loaded, version))
 
@@ -416,10 +352,7 @@ class AdapterPool:
                         version.retired = True
                     return
                 # A retired version still loads: requests admitted before the swap finish on it.
-                weights = future.result()
-                if weights.scaling != version.spec.scaling:  # loaded ahead of its check (`_load_ahead`)
-                    weights = dataclasses.replace(weights, scaling=version.spec.scaling)
-                version.weights = weights
+                version.weights = future.result()
                 if staged:
                     del self._staged[version.name]
                     old = self._by_name.get(version.name)

@@ -216,11 +216,10 @@ def test_loads_in_flight_when_the_workers_die_are_started_again(
 
 
 def test_workers_start_with_the_loader_not_with_the_first_load() -> None:
-    """A first cold load used to wait for its worker's start (a second or more: the import of torch). All start:
-    the 2 that share a load's parts and the one that runs checks beside them."""
+    """A first cold load used to wait for its worker's start (a second or more: the import of torch)."""
     loader = ProcessLoader(torch.float32, None, workers=2)
     try:
-        assert len(loader._executor._processes) == 3  # type: ignore[attr-defined]
+        assert len(loader._executor._processes) == 2  # type: ignore[attr-defined]
     finally:
         loader.close()
 

@@ -15,7 +15,7 @@ from engine.adapters import AdapterError
 from engine.lora import LoRAStacks, image_groups
 from engine.lora_batch import LoRABatch
 from engine.pinned_arena import PinnedArena
-from engine.pool import AdapterCacheStats, AdapterPool, AdapterState, AdapterVersion
+from engine.pool import AdapterCacheStats, AdapterPool, AdapterState
 from tests.unit.engine.manual_loader import ManualLoader
 from tests.unit.engine.tiny import TINY, write_adapter
 
@@ -490,114 +490,15 @@ def test_unpinning_an_adapter_beyond_the_host_capacity_drops_its_host_copy(pool:
     assert sum(v.weights is not None for v in (pinned, other)) == 1
 
 
-def _arena_pool(
-    tmp_path: Path, images: int, loader_type: type[ManualLoader] = ManualLoader
-) -> tuple[AdapterPool, ManualLoader, PinnedArena]:
+def _arena_pool(tmp_path: Path, images: int) -> tuple[AdapterPool, ManualLoader, PinnedArena]:
     """A pool of fused stacks with one slot, whose loads write into a shared arena with room for `images`
     rank-4 q/v images (as loader processes write them)."""
     stacks = LoRAStacks(TINY, slots=1, max_rank=8, dtype=torch.float32, device=torch.device("cpu"), fused=True)
     assert stacks.layout is not None
     image_bytes = stacks.layout.image_size(image_groups(("q_proj", "v_proj")), 4) * 4
     arena = PinnedArena(images * -(-image_bytes // 4096) * 4096, pin=False, page_bytes=4096)
-    loader = loader_type(torch.float32, stacks.layout, arena)
+    loader = ManualLoader(torch.float32, stacks.layout, arena)
     return AdapterPool(TINY, stacks, torch.float32, 8, loader=loader, arena=arena), loader, arena
-
-
-class _CheckingLoader(ManualLoader):
-    """Notes how many loads had been submitted when each check ran; with `finish_first`, ends every load
-    submitted so far before the check returns (a load that beat its check)."""
-
-    finish_first = False
-
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
-        self.submitted_at_check: list[int] = []
-
-    def check(self, path: Path, arch, max_rank: int):  # type: ignore[no-untyped-def]
-        self.submitted_at_check.append(self.submitted)
-        if self.finish_first:
-            self.finish_all(random.Random(0))
-        return super().check(path, arch, max_rank)
-
-
-def _assert_swapped_to(pool: AdapterPool, arena: PinnedArena, new: AdapterVersion, folder: Path) -> None:
-    """`new` serves its name with the image of `folder` as loaded on its own, the only image in `arena`."""
-    from engine.adapters import load_adapter, read_spec
-
-    assert pool.lookup(new.name) is new and new.weights is not None and new.weights.packed is not None
-    alone = load_adapter(read_spec(folder, TINY, 8), torch.float32, pin=False, layout=pool._stacks.layout)
-    assert alone.packed is not None and new.weights.rank == alone.rank
-    torch.testing.assert_close(new.weights.packed, alone.packed, rtol=0, atol=0)
-    assert arena.free_pages == arena.pages - arena._pages(new.weights.packed.numel() * 4)
-
-
-@pytest.mark.parametrize("finish_first", [False, True], ids=["load-after-check", "load-before-check"])
-def test_a_new_version_loads_while_its_check_runs(tmp_path: Path, finish_first: bool) -> None:
-    """A hot swap starts its new version's load before the check returns, with the serving version's rank and
-    projections (the check is a round trip to a loader process); the new alpha still takes effect."""
-    pool, loader, arena = _arena_pool(tmp_path, images=4, loader_type=_CheckingLoader)
-    assert isinstance(loader, _CheckingLoader)
-    rng = random.Random(0)
-    try:
-        old = pool.register("x", write_adapter(tmp_path / "v1", seed=1, alpha=8.0))
-        loader.finish_all(rng)
-        loader.finish_first = finish_first
-        v2 = write_adapter(tmp_path / "v2", seed=2, alpha=2.0)
-        new = pool.register("x", v2)
-        assert loader.submitted_at_check == [0, 2] and loader.submitted == 2  # one load for v2, begun first
-        loader.finish_all(rng)
-        _assert_swapped_to(pool, arena, new, v2)
-        assert old.retired and old.weights is None
-        assert new.weights is not None and new.weights.scaling == new.spec.scaling == 2.0 / 4
-    finally:
-        pool.close()
-        arena.close()
-
-
-@pytest.mark.parametrize("finish_first", [False, True], ids=["load-after-check", "load-before-check"])
-def test_a_new_version_of_another_rank_drops_the_load_begun_ahead(tmp_path: Path, finish_first: bool) -> None:
-    """The check finds other shapes than the serving version's: the load begun ahead is stopped (or, ended,
-    gives its extent back) and the new version loads at its own rank."""
-    pool, loader, arena = _arena_pool(tmp_path, images=6, loader_type=_CheckingLoader)
-    assert isinstance(loader, _CheckingLoader)
-    rng = random.Random(0)
-    try:
-        pool.register("x", write_adapter(tmp_path / "v1", seed=1))
-        loader.finish_all(rng)
-        loader.finish_first = finish_first
-        v2 = write_adapter(tmp_path / "v2", seed=2, rank=8, modules=("q_proj", "k_proj", "v_proj", "o_proj"))
-        new = pool.register("x", v2)
-        assert loader.submitted == 3
-        loader.finish_all(rng)
-        _assert_swapped_to(pool, arena, new, v2)
-        assert new.spec.rank == 8
-    finally:
-        pool.close()
-        arena.close()
-
-
-@pytest.mark.parametrize("finish_first", [False, True], ids=["load-after-check", "load-before-check"])
-def test_a_replacement_refused_by_its_check_leaves_nothing_of_its_load(tmp_path: Path, finish_first: bool) -> None:
-    """A new version that fails its check is refused (INVALID_ARGUMENT upstream); its load begun ahead is stopped
-    or its image given back, and the serving version stays."""
-    pool, loader, arena = _arena_pool(tmp_path, images=4, loader_type=_CheckingLoader)
-    assert isinstance(loader, _CheckingLoader)
-    rng = random.Random(0)
-    try:
-        old = pool.register("x", write_adapter(tmp_path / "v1", seed=1))
-        loader.finish_all(rng)
-        held = arena.free_pages
-        loader.finish_first = finish_first
-        bad = write_adapter(tmp_path / "v2", seed=2, config_overrides={"use_dora": True})
-        with pytest.raises(AdapterError, match="use_dora"):
-            pool.register("x", bad)
-        loader.finish_all(rng)
-        assert loader.submitted == 2 and loader.pending == 0
-        assert pool.lookup("x") is old and not old.retired and old.weights is not None
-        assert arena.free_pages == held
-    finally:
-        pool.close()
-        arena.close()
 
 
 @pytest.mark.parametrize("waited_for", [False, True], ids=["idle", "waited-for"])
