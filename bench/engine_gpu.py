@@ -592,10 +592,10 @@ def section_mixed(args: argparse.Namespace, configs: dict[int, Configs], bw: flo
         for name, (shrink_us, expand_us) in halves.items():
             print(f"  chunks of {block_m:2d}: {name:26s} shrink+memset {shrink_us:6.1f} us, expand {expand_us:6.1f} us")
         rel = {name: t / times[base] for name, t in times.items()}
-        verdict = "met" if rel[goal] <= 1.05 else "NOT met"
         SUMMARY.append(
-            f"(c) chunks of {block_m:2d}, {DEFAULTS.name}: mixed/uniform-16 at equal bytes x{rel[goal]:.2f} "
-            f"(was x{OLD_MIXED[goal][column]:.2f}; goal <= 1.05 {verdict}); out-major B x{rel[out_major]:.2f}; "
+            f"(c) chunks of {block_m:2d}, {DEFAULTS.name}, timed one after the other: mixed/uniform-16 at equal bytes "
+            f"x{rel[goal]:.2f} (was x{OLD_MIXED[goal][column]:.2f}; the goal's figure for decode is the alternating "
+            f"rounds' below); out-major B x{rel[out_major]:.2f}; "
             f"uniform 16 in an R=64 stack x{rel['uniform 16 (stack R=64)']:.2f} "
             f"(was x{OLD_MIXED['uniform 16 (stack R=64)'][column]:.2f}); "
             f"all rank 64 x{rel['all 64 (4x the bytes)']:.2f}; uniform 16: {times[base]:.1f} us; shrink/expand "
