@@ -75,8 +75,9 @@ class SlotLayout:
 
         B is out-major, as PEFT files store it (a member's B is [out, rank]), not rank-major as the stacks keep
         it: packing then converts each B with one contiguous copy on the loader's CPU, and the fill's device copy
-        transposes it. Packed rank-major, B's transposed copy took two thirds of a load's CPU time (4 Llama-7B
-        layers: 4.0 against 1.1 ms on one core, bench/RESULTS-gpu.md stop 32)."""
+        transposes it. Packed rank-major, B's transposed copy took most of a load's packing time (4 of 32
+        Llama-7B layers on one core of an H100 host: 3.20 ms packed so, 1.53 ms now; the fill's device time
+        is the same; bench/RESULTS-gpu.md, stop 32)."""
         out, offset = [], 0
         for group in groups:
             a_shape, b_shape = self._shapes(group, rank)
