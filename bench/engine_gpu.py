@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import statistics
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -670,8 +671,8 @@ def section_mixed_alternating(args: argparse.Namespace, configs: dict[int, Confi
         for name in list(graphs)[:: 1 if i % 2 == 0 else -1]:
             times[name].append(median_us(graphs[name].replay, args.quick) / layers)
     ratios = sorted(m / u for m, u in zip(times["mixed"], times["uniform 16 (R=16)"], strict=True))
-    ratio = ratios[len(ratios) // 2]
-    uniform, mix = (sorted(t)[len(t) // 2] for t in times.values())
+    ratio = statistics.median(ratios)
+    uniform, mix = (statistics.median(times[name]) for name in ("uniform 16 (R=16)", "mixed"))
     line = (
         f"(c) decode, alternating, {rounds} rounds: uniform 16 (R=16) {uniform:5.1f} us, mixed {mix:5.1f} us a layer; "
         f"mixed/uniform x{ratio:.3f} (median of rounds; range x{ratios[0]:.3f}-x{ratios[-1]:.3f}; goal <= 1.05 "
