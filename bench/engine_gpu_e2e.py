@@ -707,9 +707,9 @@ class LoadTimeline:
         print(f"  [swap {swap}] " + ", ".join(f"{mark} {ms(t)}" for mark, t in {**loaded, **marks}.items()))
 
 
-def section_hot_swap(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
+def section_hot_swap(b: Bench, eng: LLMEngine, prompt: list[int], swaps: int = 9) -> None:
     """(f) apply a new version while traffic runs: apply -> switch (staged load) -> first token on it."""
-    v1, *v2s = b.adapters(eng, "swap", 10)  # 9 swaps: single ones vary by a decode step or a collection
+    v1, *v2s = b.adapters(eng, "swap", swaps + 1)  # several: single swaps vary by a decode step or a collection
     eng.load_adapter("swap", str(v1), wait=True)
     ttft(eng, "sw0", prompt, "swap")
     totals, switches = [], []
@@ -788,6 +788,7 @@ def main() -> None:
     )
     ap.add_argument("--zipf-requests", type=int, default=1500)
     ap.add_argument("--zipf-rate", type=float, default=150.0)
+    ap.add_argument("--swaps", type=int, default=9, help="(f)'s hot swaps (a traced one takes longer each)")
     ap.add_argument(
         "--zipf-pinned-mb",
         type=int,
@@ -851,6 +852,8 @@ def main() -> None:
         help="decode attention of the engines section b compares (the first engine is the ratios' reference)",
     )
     args = ap.parse_args()
+    if args.swaps < 1:
+        ap.error(f"--swaps must be at least 1, got {args.swaps}")
     global TRACE, LOADER
     TRACE = args.trace
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
@@ -914,7 +917,7 @@ def main() -> None:
         elif "j" in args.only:
             section_others_during_loads(b, eng, prompt, cold_joins=False)
         if "f" in args.only:
-            section_hot_swap(b, eng, prompt)
+            section_hot_swap(b, eng, prompt, args.swaps)
         eng.stop()
         del eng
         free_gpu_memory()
