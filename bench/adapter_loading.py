@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import statistics
 import sys
 import tempfile
@@ -191,18 +190,11 @@ def _pack_rank_major(
     image ([layers, rank, out] per group)."""
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
-    offset = 0
-    for group in groups:
-        slices = layout.group_slices[group]
-        a_shape = (layout.num_layers, len(slices), rank, layout.group_fan_in[group])
-        b_shape = (layout.num_layers, rank, sum(slices))
-        a_img = image[offset : offset + math.prod(a_shape)].view(a_shape)
-        offset += math.prod(a_shape)
-        b_img = image[offset : offset + math.prod(b_shape)].view(b_shape)
-        offset += math.prod(b_shape)
+    for group, (a_img, b_out_major) in zip(groups, layout.images(image, groups, rank), strict=True):
+        b_img = b_out_major.view(layout.num_layers, rank, -1)  # the same span, read rank-major
         for layer in layers:
             n0 = 0
-            for i, (module, width) in enumerate(zip(PROJECTION_GROUPS[group], slices, strict=True)):
+            for i, (module, width) in enumerate(zip(PROJECTION_GROUPS[group], layout.group_slices[group], strict=True)):
                 a, b = tensors[(layer, module)]
                 dst += [a_img[layer, i], b_img[layer, :, n0 : n0 + width].t()]
                 src += [a, b.to(image.dtype)]
