@@ -20,6 +20,10 @@ page tables filled as they started (the engine's way since stop 28) against ones
 page fault at each first write (before), alternating. `--fault-shape llama-7b` loads 16 Llama-7B-shaped layers
 (the goals' dimensions, 40 MB slot images) instead of SmolLM2's 30.
 
+Then one load of all 32 layers of a Llama-7B adapter split over `--workers` processes, each with a queue of
+its own (the engine's way since stop 33) against one queue that all of them share (before), alternating: the
+time of the load and the spread of its parts' starts inside the workers (`--dispatch-only` runs just this).
+
 And the packing of one loader part on one core: 4 of a 32-layer Llama-7B adapter's layers (what each of 8
 processes packs), B kept as the file stores it ([out, rank], the engine's image layout since stop 32) against
 B turned rank-major on the CPU (the layout before), alternating.
@@ -29,12 +33,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import multiprocessing
 import statistics
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from bench.percentiles import percentile  # (not from gateway_rest: it imports grpc)
-from engine.adapter_loader import AdapterLoader, ProcessLoader, ThreadLoader
+from engine.adapter_loader import AdapterLoader, ProcessLoader, ThreadLoader, _started, _worker_init, fill_layers
 from engine.adapters import _mapped_layers, _pairs, read_spec
 from engine.config import EngineConfig, ModelArch
 from engine.lora import PROJECTION_GROUPS, LoRAStacks, SlotLayout, image_groups, pack_layers
@@ -81,11 +87,16 @@ def main() -> None:
     ap.add_argument("--fault-shape", choices=("smollm2", "llama-7b"), default="smollm2")
     ap.add_argument("--pack-rounds", type=int, default=20, help="packings of one loader part timed, per layout")
     ap.add_argument("--pack-only", action="store_true", help="only the packing of one loader part")
+    ap.add_argument("--dispatch-loads", type=int, default=12, help="split loads timed, per queue layout")
+    ap.add_argument("--dispatch-only", action="store_true", help="only the split loads, per-worker vs shared queue")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="loading-"))
     if args.pack_only:
         report_packing(args, pack_b_layouts(tmp, args.pack_rounds))
+        return
+    if args.dispatch_only:
+        report_dispatch(args, split_loads_by_queue(args, tmp))
         return
     layout = LoRAStacks(SMOLLM2, 1, 16, torch.bfloat16, torch.device("cpu"), fused=True).layout
     # The arena is page-locked only where a GPU engine would pin it.
@@ -168,6 +179,88 @@ def main() -> None:
         f"arena mapped populated {populated * 1e3:.1f} ms, lazily {lazy * 1e3:.1f} ms: {populated / lazy:.2f}x"
     )
     report_packing(args, packing)
+    report_dispatch(args, split_loads_by_queue(args, tmp))
+
+
+def report_dispatch(args: argparse.Namespace, times: dict[str, tuple[list[float], list[float]]]) -> None:
+    med = statistics.median
+    (own, own_spread), (shared, shared_spread) = times["own queues"], times["shared queue"]
+    print(
+        f"one load of 32 Llama-7B layers split over {args.workers} processes (median of {args.dispatch_loads}): "
+        f"a queue per worker {med(own) * 1e3:.1f} ms, one shared queue {med(shared) * 1e3:.1f} ms: "
+        f"{med(own) / med(shared):.2f}x; the parts' starts spread over {med(own_spread) * 1e3:.1f} against "
+        f"{med(shared_spread) * 1e3:.1f} ms"
+    )
+
+
+class SharedQueueLoader(ProcessLoader):
+    """The dispatch of stops 19-32, for comparison: `workers` processes of one executor, sharing its queue."""
+
+    def __init__(self, dtype: torch.dtype, layout: SlotLayout, workers: int, arena: PinnedArena) -> None:
+        super().__init__(dtype, layout, 0, arena)
+        self._workers = workers
+        self._shared = ProcessPoolExecutor(
+            max_workers=workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_worker_init,
+            initargs=(arena.name, True),
+        )
+        for _ in range(workers):
+            self._shared.submit(_started)
+
+    def _run(self, fn: Callable[..., object], *args: object, worker: int | None = None) -> Future[object]:  # type: ignore[override]
+        return self._shared.submit(fn, *args)
+
+    def _least_busy(self) -> list[int]:
+        return list(range(self._workers))
+
+    def close(self) -> None:
+        self._shared.shutdown(wait=False, cancel_futures=True)
+
+
+def split_loads_by_queue(args: argparse.Namespace, tmp: Path) -> dict[str, tuple[list[float], list[float]]]:
+    """Per queue layout: seconds per load of one 32-layer Llama-7B adapter split over `args.workers` processes,
+    and the spread of its parts' starts inside the workers (`fill_layers` returns its start); alternating,
+    the same file for both."""
+    arch = dataclasses.replace(LLAMA_7B_16, num_layers=32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # a GPU draws the 160 MB of weights faster
+    folder = write_adapter(tmp / "dispatch", arch=arch, rank=16, alpha=16, modules=ALL7, seed=9, device=device)
+    spec = read_spec(folder, arch, 16)
+    layout = LoRAStacks(arch, 1, 16, torch.bfloat16, torch.device("cpu"), fused=True).layout
+    assert layout is not None
+    image_bytes = layout.image_size(image_groups(spec.modules), 16) * 2
+    arena = PinnedArena(image_bytes + (8 << 20), pin=torch.cuda.is_available())
+    loaders: dict[str, ProcessLoader] = {
+        "own queues": ProcessLoader(torch.bfloat16, layout, args.workers, arena),
+        "shared queue": SharedQueueLoader(torch.bfloat16, layout, args.workers, arena),
+    }
+    parts: list[Future[object]] = []
+    for loader in loaders.values():
+        run = loader._run
+
+        def traced(fn: Callable[..., object], *a: object, run=run, **kw: object) -> Future[object]:  # type: ignore[no-untyped-def]
+            future = run(fn, *a, **kw)
+            if fn is fill_layers:
+                parts.append(future)
+            return future
+
+        loader._run = traced  # type: ignore[method-assign,assignment]
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in loaders}
+    for i in range(args.dispatch_loads + 1):  # the first load of each warms its workers up, untimed
+        for name, loader in loaders.items():
+            parts.clear()
+            start = time.perf_counter()
+            image = loader.submit(spec).result().packed
+            took = time.perf_counter() - start
+            assert image is not None and arena.give_back(image)
+            starts = [part.result()[0] for part in parts]  # type: ignore[index]
+            if i:
+                times[name][0].append(took)
+                times[name][1].append(max(starts) - min(starts))
+    for loader in loaders.values():
+        loader.close()
+    arena.close()
+    return times
 
 
 def report_packing(args: argparse.Namespace, packing: dict[str, list[float]]) -> None:

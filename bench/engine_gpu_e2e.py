@@ -677,8 +677,8 @@ class LoadTimeline:
         eng.pool.on_loaded.append(lambda: self.loaded.append(time.perf_counter()))
         run = loader._run
 
-        def traced(fn: Callable[..., object], *args: object) -> Future[object]:
-            future = run(fn, *args)
+        def traced(fn: Callable[..., object], *args: object, worker: int | None = None) -> Future[object]:
+            future = run(fn, *args, worker=worker)  # a split load's parts each go to a worker of their own
             self.events.append((fn.__name__, time.perf_counter(), future))
             future.add_done_callback(lambda f: self.done.setdefault(id(f), time.perf_counter()))
             return future

@@ -86,7 +86,14 @@ def _started() -> None:
 
 class ProcessLoader:
     """Loads in spawned worker processes, started with the loader in the background (each imports torch
-    once, for a second or more, which the first cold load would otherwise wait for)."""
+    once, for a second or more, which the first cold load would otherwise wait for).
+
+    Each worker has a queue of its own (a one-process `ProcessPoolExecutor`), and the parts of a split load
+    go one to each worker, the least busy first. Workers that share one queue take their tasks one after
+    another: each reads its task under the queue's lock and only then wakes the next, and on the GPU host
+    each of those wake-ups took about a millisecond, so 8 parts of one load started over 10-17 ms
+    (bench/RESULTS-gpu.md, stop 33).
+    """
 
     def __init__(
         self,
@@ -103,40 +110,57 @@ class ProcessLoader:
         self._populate_arena = populate_arena
         self._pin = torch.cuda.is_available()
         self._workers = workers
-        self._lock = threading.RLock()  # load callbacks on the pool's threads may restart it too
-        self._executor = self._start_workers()
+        self._lock = threading.RLock()  # load callbacks on the executors' threads may restart one too
+        self._executors = [self._start_worker() for _ in range(workers)]
+        self._queued = [0] * workers  # tasks submitted to each worker and not yet done
 
-    def _start_workers(self) -> ProcessPoolExecutor:
+    def _start_worker(self) -> ProcessPoolExecutor:
         # spawn, not fork: the engine process may hold CUDA state and threads a forked child cannot use.
-        context = multiprocessing.get_context("spawn")
         executor = ProcessPoolExecutor(
-            max_workers=self._workers,
-            mp_context=context,
+            max_workers=1,
+            mp_context=multiprocessing.get_context("spawn"),
             initializer=_worker_init,
             initargs=(self._arena.name if self._arena is not None else None, self._populate_arena),
         )
-        for _ in range(self._workers):  # the pool starts one more worker per task while none is idle
-            executor.submit(_started)
+        executor.submit(_started)  # the executor starts its process at the first task
         return executor
 
-    def _run(self, fn: Callable[..., T], *args: object) -> Future[T]:
-        """`fn(*args)` in a worker. A worker that died (killed, out of memory, SIGBUS on a file truncated
-        under its map) breaks the whole pool: its loads in flight fail with BrokenProcessPool, and the next
-        submission starts new workers."""
+    def processes(self) -> list[multiprocessing.process.BaseProcess]:
+        """The worker processes running now (one per worker, once started)."""
         with self._lock:
+            return [p for executor in self._executors for p in (executor._processes or {}).values()]
+
+    def _run(self, fn: Callable[..., T], *args: object, worker: int | None = None) -> Future[T]:
+        """`fn(*args)` on `worker`, or on the one with the fewest tasks queued. A worker that died (killed, out
+        of memory, SIGBUS on a file truncated under its map) fails its tasks in flight with BrokenProcessPool,
+        and the next task for it starts a new process."""
+        with self._lock:
+            index = self._least_busy()[0] if worker is None else worker
             try:
-                return self._executor.submit(fn, *args)
+                future = self._executors[index].submit(fn, *args)
             except BrokenProcessPool:
-                log.warning("adapter loader processes died: starting new ones")
-                self._executor.shutdown(wait=False, cancel_futures=True)
-                self._executor = self._start_workers()
-                return self._executor.submit(fn, *args)
+                log.warning("adapter loader process %d died: starting a new one", index)
+                self._executors[index].shutdown(wait=False, cancel_futures=True)
+                self._executors[index] = self._start_worker()
+                future = self._executors[index].submit(fn, *args)
+            self._queued[index] += 1
+        future.add_done_callback(lambda _: self._task_done(index))
+        return future
+
+    def _least_busy(self) -> list[int]:
+        """The workers, those with the fewest tasks queued first."""
+        with self._lock:
+            return sorted(range(self._workers), key=self._queued.__getitem__)
+
+    def _task_done(self, index: int) -> None:
+        with self._lock:
+            self._queued[index] -= 1
 
     def check(self, path: Path, arch: ModelArch, max_rank: int) -> AdapterSpec:
         """`read_spec` in a worker, waited for. The header check is milliseconds of Python: on a thread of the
         engine process (a gRPC handler's) it held the GIL that long, and the step loop, waiting for it,
-        doubled the inter-token gaps of running requests (bench/RESULTS-gpu.md). The queue is the loads'
-        one, so a check waits behind the loads submitted before it."""
+        doubled the inter-token gaps of running requests (bench/RESULTS-gpu.md). It runs on the worker with
+        the fewest tasks queued, behind that worker's share of the loads submitted before it."""
         try:
             return self._checked(path, arch, max_rank)
         except BrokenProcessPool:  # a worker died meanwhile (maybe loading another adapter): once more
@@ -171,11 +195,11 @@ class ProcessLoader:
             assert self._arena is not None and self._layout is not None
             offset = self._arena.offset(extent)
             parts: list[Future[tuple[float, float]]] = []
-            for layers in layer_parts(self._layout.num_layers, self._workers):
+            split = layer_parts(self._layout.num_layers, self._workers)
+            for worker, layers in zip(self._least_busy(), split, strict=False):
                 try:
-                    parts.append(
-                        self._run(fill_layers, spec, self._dtype, self._layout, self._arena.name, offset, layers)
-                    )
+                    args = (spec, self._dtype, self._layout, self._arena.name, offset, layers)
+                    parts.append(self._run(fill_layers, *args, worker=worker))
                 except Exception as exc:  # no workers could start: the parts already queued are cancelled
                     failed: Future[tuple[float, float]] = Future()
                     failed.set_exception(exc)
@@ -195,7 +219,9 @@ class ProcessLoader:
         return self._arena.take(self._layout.image_size(image_groups(spec.modules), spec.rank), self._dtype)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            for executor in self._executors:
+                executor.shutdown(wait=False, cancel_futures=True)
 
 
 def make_loader(
