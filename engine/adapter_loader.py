@@ -180,8 +180,8 @@ class ProcessLoader:
         return outer
 
     def _start(self, spec: AdapterSpec, outer: Future[AdapterWeights], retry: bool) -> None:
-        # A load that fails because the pool broke is started once more on new workers: the worker that died
-        # may have been loading another adapter, and this one's requests should not fail for it.
+        # A load that fails because a worker died is started once more, on a new process in its place: the
+        # worker may have died loading another adapter, and this one's requests should not fail for it.
         def again() -> None:
             if not outer.done():
                 try:
@@ -279,8 +279,8 @@ def _settle_parts(
 ) -> None:
     """Resolve `outer` with `image` once every part has filled its layers. The image's extent goes back to
     the arena on every other outcome, but only after the last part has ended: until then a worker may still
-    write into it. Cancelling `outer` cancels the parts not yet started. If the pool broke, `on_broken`
-    (when given) starts the load again instead of failing it."""
+    write into it. Cancelling `outer` cancels the parts not yet started. If a part's worker died,
+    `on_broken` (when given) starts the load again instead of failing it."""
     lock = threading.Lock()
     pending = [len(parts)]
 
@@ -295,8 +295,9 @@ def _settle_parts(
             outer.set_result(image)
             return
         if isinstance(failure, BrokenProcessPool):
-            # The pool fails its futures before it terminates its workers: one of them may still be writing
-            # into the extent, which therefore is not reused (a worker dying is rare; the arena has room).
+            # Not reused, to be safe: when workers shared one executor, it failed the futures before it had
+            # terminated the other workers, which could still be writing into the extent. A worker dying is
+            # rare, and the arena has room.
             log.warning("an adapter image's extent is left unused: a loader process died while writing it")
         else:
             arena.give_back(image.packed)
