@@ -91,7 +91,7 @@ class ProcessLoader:
     Each worker has a queue of its own (a one-process `ProcessPoolExecutor`), and the parts of a split load
     go one to each worker, the least busy first. Workers that share one queue take their tasks one after
     another: each reads its task under the queue's lock and only then wakes the next, and on the GPU host
-    each of those wake-ups took about a millisecond, so 8 parts of one load started over 10-17 ms
+    each of those wake-ups took about a millisecond, so 8 parts of one load started over 9-17 ms
     (bench/RESULTS-gpu.md, stop 33).
     """
 

@@ -221,7 +221,7 @@ def test_the_parts_of_a_split_load_go_one_to_each_worker(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
-    """Workers that shared one queue started the parts of a load one after another, a wake-up apart (10-17 ms
+    """Workers that shared one queue started the parts of a load one after another, a wake-up apart (9-17 ms
     for 8 parts on the GPU host): each part now goes to a worker's own queue, the least busy workers first."""
     loader = ProcessLoader(torch.float32, fused_layout, workers=2, arena=shared_arena)
     workers: list[int | None] = []
