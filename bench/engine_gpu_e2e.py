@@ -707,14 +707,20 @@ class LoadTimeline:
         print(f"  [swap {swap}] " + ", ".join(f"{mark} {ms(t)}" for mark, t in {**loaded, **marks}.items()))
 
 
-def section_hot_swap(b: Bench, eng: LLMEngine, prompt: list[int], swaps: int = 9) -> None:
-    """(f) apply a new version while traffic runs: apply -> switch (staged load) -> first token on it."""
-    v1, *v2s = b.adapters(eng, "swap", swaps + 1)  # several: single swaps vary by a decode step or a collection
+def section_hot_swap(
+    b: Bench, eng: LLMEngine, prompt: list[int], swaps: int = 9, load_ahead: tuple[bool, ...] = (True,)
+) -> None:
+    """(f) apply a new version while traffic runs: apply -> switch (staged load) -> first token on it. With
+    several `load_ahead` settings (the pool's: the new version's load started beside its check, or after it),
+    the swaps take them in turn, `swaps` each."""
+    v1, *v2s = b.adapters(eng, "swap", swaps * len(load_ahead) + 1)  # single swaps vary by a step or a collection
     eng.load_adapter("swap", str(v1), wait=True)
     ttft(eng, "sw0", prompt, "swap")
-    totals, switches = [], []
+    by_mode: dict[bool, tuple[list[float], list[float]]] = {ahead: ([], []) for ahead in load_ahead}
     timeline = LoadTimeline(eng) if TRACE else None
     for i, v2 in enumerate(v2s):
+        eng.pool.load_ahead = load_ahead[i % len(load_ahead)]
+        totals, switches = by_mode[eng.pool.load_ahead]
         decoding: set[str] = set()  # background requests past their second token
         for j in range(8):  # live traffic on v1
             eng.add_request(
@@ -768,11 +774,16 @@ def section_hot_swap(b: Bench, eng: LLMEngine, prompt: list[int], swaps: int = 9
         eng.run_until_idle()
         if new.requests_served < 1:
             raise AssertionError("(f) the request timed after the switch was not served by the new version")
-    report_loader(
-        f"(f) hot swap under load, p50 of {len(totals)}: apply -> first token on the new version "
-        f"{p50(totals) * 1e3:.1f} ms, slowest {max(totals) * 1e3:.1f} ms (apply -> switch, i.e. the staged load, "
-        f"{p50(switches) * 1e3:.1f} ms)"
-    )
+    for ahead, (totals, switches) in by_mode.items():
+        mode = f", load ahead of the check {'on' if ahead else 'off'}" if len(by_mode) > 1 else ""
+        report_loader(
+            f"(f) hot swap under load{mode}, p50 of {len(totals)}: apply -> first token on the new version "
+            f"{p50(totals) * 1e3:.1f} ms, slowest {max(totals) * 1e3:.1f} ms (apply -> switch, i.e. the staged load, "
+            f"{p50(switches) * 1e3:.1f} ms)"
+        )
+    if len(by_mode) == 2:
+        (on, _), (off, _) = by_mode[True], by_mode[False]
+        report_loader(f"(f) load ahead of the check on / off, p50 apply -> first token: {p50(on) / p50(off):.3f}x")
 
 
 def main() -> None:
@@ -789,6 +800,11 @@ def main() -> None:
     ap.add_argument("--zipf-requests", type=int, default=1500)
     ap.add_argument("--zipf-rate", type=float, default=150.0)
     ap.add_argument("--swaps", type=int, default=9, help="(f)'s hot swaps (a traced one takes longer each)")
+    ap.add_argument(
+        "--load-ahead",
+        default="on",
+        help="(f): the pool's load_ahead, e.g. on,off: the swaps alternate between them, --swaps of each",
+    )
     ap.add_argument(
         "--zipf-pinned-mb",
         type=int,
@@ -917,7 +933,7 @@ def main() -> None:
         elif "j" in args.only:
             section_others_during_loads(b, eng, prompt, cold_joins=False)
         if "f" in args.only:
-            section_hot_swap(b, eng, prompt, args.swaps)
+            section_hot_swap(b, eng, prompt, args.swaps, tuple(m == "on" for m in args.load_ahead.split(",")))
         eng.stop()
         del eng
         free_gpu_memory()

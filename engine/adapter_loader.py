@@ -32,7 +32,7 @@ from engine.pinned_arena import PinnedArena, attach, map_arena, shared_arena_fit
 
 log = logging.getLogger("engine.adapter_loader")
 T = TypeVar("T")
-CHECK_TIMEOUT_S = 60.0  # a check waits behind queued loads; beyond this the caller gets a TimeoutError
+CHECK_TIMEOUT_S = 60.0  # a check waits behind queued checks; beyond this the caller gets a TimeoutError
 
 
 class AdapterLoader(Protocol):
@@ -93,6 +93,10 @@ class ProcessLoader:
     another: each reads its task under the queue's lock and only then wakes the next, and on the GPU host
     each of those wake-ups took about a millisecond, so 8 parts of one load started over 9-17 ms
     (bench/RESULTS-gpu.md, stop 33).
+
+    Checks run in one more process of their own, so that a registration never waits behind loads: a hot swap
+    starts its new version's load beside the version's check (`AdapterPool.register`), and with a load's
+    parts on every worker, the check would otherwise queue behind one of them.
     """
 
     def __init__(
@@ -111,8 +115,10 @@ class ProcessLoader:
         self._pin = torch.cuda.is_available()
         self._workers = workers
         self._lock = threading.RLock()  # load callbacks on the executors' threads may restart one too
-        self._executors = [self._start_worker() for _ in range(workers)]
-        self._queued = [0] * workers  # tasks submitted to each worker and not yet done
+        # Workers 0..workers-1 load; the last one checks (`_checker`).
+        self._executors = [self._start_worker() for _ in range(workers + 1)]
+        self._queued = [0] * (workers + 1)  # tasks submitted to each worker and not yet done
+        self._checker = workers
 
     def _start_worker(self) -> ProcessPoolExecutor:
         # spawn, not fork: the engine process may hold CUDA state and threads a forked child cannot use.
@@ -126,12 +132,12 @@ class ProcessLoader:
         return executor
 
     def processes(self) -> list[multiprocessing.process.BaseProcess]:
-        """The worker processes running now (one per worker, once started)."""
+        """The worker processes running now (one per worker, once started; the checker's last)."""
         with self._lock:
             return [p for executor in self._executors for p in (executor._processes or {}).values()]
 
     def _run(self, fn: Callable[..., T], *args: object, worker: int | None = None) -> Future[T]:
-        """`fn(*args)` on `worker`, or on the one with the fewest tasks queued. A worker that died (killed, out
+        """`fn(*args)` on `worker`, or on the loading one with the fewest tasks queued. A worker that died (killed, out
         of memory, SIGBUS on a file truncated under its map) fails its tasks in flight with BrokenProcessPool,
         and the next task for it starts a new process."""
         with self._lock:
@@ -148,7 +154,7 @@ class ProcessLoader:
         return future
 
     def _least_busy(self) -> list[int]:
-        """The workers, those with the fewest tasks queued first."""
+        """The loading workers, those with the fewest tasks queued first."""
         with self._lock:
             return sorted(range(self._workers), key=self._queued.__getitem__)
 
@@ -159,15 +165,15 @@ class ProcessLoader:
     def check(self, path: Path, arch: ModelArch, max_rank: int) -> AdapterSpec:
         """`read_spec` in a worker, waited for. The header check is milliseconds of Python: on a thread of the
         engine process (a gRPC handler's) it held the GIL that long, and the step loop, waiting for it,
-        doubled the inter-token gaps of running requests (bench/RESULTS-gpu.md). It runs on the worker with
-        the fewest tasks queued, behind that worker's share of the loads submitted before it."""
+        doubled the inter-token gaps of running requests (bench/RESULTS-gpu.md). It runs in the checker
+        process, behind other checks only."""
         try:
             return self._checked(path, arch, max_rank)
         except BrokenProcessPool:  # a worker died meanwhile (maybe loading another adapter): once more
             return self._checked(path, arch, max_rank)
 
     def _checked(self, path: Path, arch: ModelArch, max_rank: int) -> AdapterSpec:
-        future = self._run(read_spec, path, arch, max_rank)
+        future = self._run(read_spec, path, arch, max_rank, worker=self._checker)
         try:
             return future.result(CHECK_TIMEOUT_S)
         except TimeoutError:

@@ -13,6 +13,7 @@ the old version finish on it, and its slot is freed when the last of them releas
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import itertools
@@ -129,6 +130,9 @@ class AdapterPool:
         self.slot_misses = 0  # acquires that needed a fill, their own or one ahead for them (`fill_ahead`)
         self.fills_ahead = 0
         self.negative_ttl_s = 10.0
+        # A hot swap's new version starts loading beside its check (`_load_ahead`); bench/engine_gpu_e2e.py
+        # turns it off to compare.
+        self.load_ahead = True
 
     def close(self) -> None:
         self._loader.close()
@@ -141,7 +145,16 @@ class AdapterPool:
         A first version is current at once (its requests wait for its load). A replacement is staged: the
         current version keeps serving until the new one's weights are loaded, then the name switches.
         """
-        spec = self._loader.check(Path(path), self._arch, self._stacks.max_rank)
+        ahead = self._load_ahead(name, Path(path))
+        try:
+            spec = self._loader.check(Path(path), self._arch, self._stacks.max_rank)
+        except BaseException:
+            if ahead is not None:
+                self._abandon(ahead[1])
+            raise
+        if ahead is not None and ahead[0] != spec:  # (its rank or projections changed: loaded for the wrong image)
+            self._abandon(ahead[1])
+            ahead = None
         version = AdapterVersion(name=name, spec=spec, pinned=pinned)
         with self._lock:
             if pinned:
@@ -156,6 +169,8 @@ class AdapterPool:
                 unpinned, old.pinned = old.pinned and not pinned, pinned
                 if unpinned:  # its host copy may have to go now, like any other beyond the capacity
                     self._trim_host(keep=None)
+                if ahead is not None:
+                    self._abandon(ahead[1])
                 return old
             if old is not None and old.error is None:
                 self._staged[name] = version
@@ -163,8 +178,42 @@ class AdapterPool:
                 self._by_name[name] = version
                 if old is not None:
                     self._retire(old)
-            self._start_load(version)
+            self._start_load(version, ahead[1] if ahead is not None else None)
         return version
+
+    def _load_ahead(self, name: str, path: Path) -> tuple[AdapterSpec, Future[AdapterWeights]] | None:
+        """For a hot swap: the new version's load, started before its check, with the serving version's rank
+        and projections (what a new version of an adapter mostly keeps), and the spec it was started with.
+
+        The check is a round trip to the loader's checker process, 3-5 ms on an H100 host, and a 32-layer
+        Llama-7B load takes 15-20 ms after it (bench/RESULTS-gpu.md, stop 33): run side by side, the swap
+        waits for the longer of the two. `register` keeps the load if the check finds the same spec, and
+        abandons it otherwise (the load itself fails, harmlessly, on a file whose shapes differ)."""
+        with self._lock:
+            old = self._by_name.get(name)
+            if not self.load_ahead or old is None or old.error is not None or old.spec.path == path:
+                return None
+            guess = dataclasses.replace(old.spec, path=path)
+            self._make_arena_room(guess)
+            try:
+                future = self._loader.submit(guess)
+            except Exception:  # no loader could take it now: the load after the check will say why
+                return None
+            return guess, future
+
+    def _abandon(self, future: Future[AdapterWeights]) -> None:
+        """Drop a load started ahead of its check; its image goes back to the arena once it exists."""
+        if future.cancel():
+            return
+
+        def give_back(done: Future[AdapterWeights]) -> None:
+            if done.cancelled() or done.exception() is not None:
+                return
+            packed = done.result().packed
+            if packed is not None and self._arena is not None:
+                self._arena.give_back(packed)
+
+        future.add_done_callback(give_back)
 
     def _check_pin_room(self, name: str) -> None:
         # Pinned adapters are never evicted: were every slot to hold one, requests for any other adapter would
@@ -320,13 +369,17 @@ class AdapterPool:
 
     # -- internals (lock held) ----------------------------------------------------------------------
 
-    def _start_load(self, version: AdapterVersion) -> None:
+    def _start_load(self, version: AdapterVersion, started: Future[AdapterWeights] | None = None) -> None:
+        """Load `version` in the background (`started`: its load, already submitted by `_load_ahead`)."""
         self.loads_started += 1
-        self._make_arena_room(version.spec)
         version.error = None
         version.settled.clear()
         try:
-            future = self._loader.submit(version.spec)
+            if started is not None:
+                future = started
+            else:
+                self._make_arena_room(version.spec)
+                future = self._loader.submit(version.spec)
         except Exception as exc:
             # No loader could take it (loader processes that cannot start again): a failed load, held in the
             # negative cache. Raised, it left `ready` in the engine's loop, and `register` with the version in

@@ -244,15 +244,17 @@ def test_the_parts_of_a_split_load_go_one_to_each_worker(
         loader.close()
 
 
-def test_a_check_runs_beside_a_busy_worker_not_behind_it(tmp_path: Path) -> None:
+def test_a_check_runs_beside_busy_workers_not_behind_them(tmp_path: Path) -> None:
+    """A hot swap starts its new version's load beside the check (`AdapterPool._load_ahead`), a part on every
+    worker: the check must not queue behind one of them."""
     loader = ProcessLoader(torch.float32, None, workers=2)
     try:
         path = write_adapter(tmp_path / "a")
-        for worker in range(2):  # both started (each imports torch first)
+        for worker in range(3):  # all started (each imports torch first)
             loader._run(int, worker=worker).result(60)
-        busy = loader._run(time.sleep, 20.0, worker=0)
+        busy = [loader._run(time.sleep, 20.0, worker=worker) for worker in range(2)]
         assert loader.check(path, TINY, 8) == read_spec(path, TINY, 8)
-        assert not busy.done()
+        assert not any(future.done() for future in busy)
     finally:
         for process in loader.processes():  # the sleeping one, which a shutdown would wait for at exit
             process.kill()
@@ -263,7 +265,7 @@ def test_workers_start_with_the_loader_not_with_the_first_load() -> None:
     """A first cold load used to wait for its worker's start (a second or more: the import of torch)."""
     loader = ProcessLoader(torch.float32, None, workers=2)
     try:
-        assert len(loader.processes()) == 2
+        assert len(loader.processes()) == 3  # two loading, one checking
     finally:
         loader.close()
 

@@ -531,3 +531,102 @@ def test_a_full_arena_makes_room_by_dropping_an_idle_host_copy(tmp_path: Path, w
     finally:
         pool.close()
         arena.close()
+
+
+class _CheckingLoader(ManualLoader):
+    """A `ManualLoader` that notes how many loads were submitted when each check ran, and can start the loads
+    queued then (so that they run beside the check) or fail the check."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.submitted_at_check: list[int] = []
+        self.start_during_check = False
+        self.fail_check = False
+
+    def check(self, path: Path, arch, max_rank: int):  # type: ignore[no-untyped-def]
+        self.submitted_at_check.append(self.submitted)
+        if self.start_during_check:
+            while self.start(random.Random(0)):
+                pass
+        if self.fail_check:
+            raise AdapterError(f"{path}: refused by the test")
+        return super().check(path, arch, max_rank)
+
+
+def _checking_pool(tmp_path: Path) -> tuple[AdapterPool, _CheckingLoader, PinnedArena]:
+    stacks = LoRAStacks(TINY, slots=1, max_rank=8, dtype=torch.float32, device=torch.device("cpu"), fused=True)
+    assert stacks.layout is not None
+    arena = PinnedArena(16 * 4096, pin=False, page_bytes=4096)
+    loader = _CheckingLoader(torch.float32, stacks.layout, arena)
+    return AdapterPool(TINY, stacks, torch.float32, 8, loader=loader, arena=arena), loader, arena
+
+
+def _image(version) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    assert version.weights is not None and version.weights.packed is not None
+    return version.weights.packed
+
+
+def test_a_hot_swap_starts_the_new_versions_load_before_its_check(tmp_path: Path) -> None:
+    """The check is a round trip to a loader process (3-5 ms on an H100 host) that the load used to wait for."""
+    pool, loader, arena = _checking_pool(tmp_path)
+    rng = random.Random(0)
+    old = pool.register("x", write_adapter(tmp_path / "v1", seed=1))
+    loader.finish_all(rng)
+    assert loader.submitted_at_check == [0]  # a first version: nothing to guess its shapes from
+    new = pool.register("x", write_adapter(tmp_path / "v2", seed=2))
+    assert loader.submitted_at_check == [0, 2] and loader.submitted == 2  # loading during the check, once
+    assert pool.lookup("x") is old  # the old version serves until the new one has loaded
+    loader.finish_all(rng)
+    assert pool.lookup("x") is new and old.retired
+    expected = ManualLoader(torch.float32, pool._stacks.layout)._read(new.spec)
+    assert expected.packed is not None and torch.equal(_image(new), expected.packed)
+    assert arena.holds(_image(new))
+    pool.close()
+    arena.close()
+
+
+def test_a_load_started_ahead_for_other_shapes_is_dropped_for_one_of_the_checked_shapes(tmp_path: Path) -> None:
+    pool, loader, arena = _checking_pool(tmp_path)
+    rng = random.Random(0)
+    old = pool.register("x", write_adapter(tmp_path / "v1", rank=4, seed=1))
+    loader.finish_all(rng)
+    loader.start_during_check = True  # the guess (rank 4) is running when the check says rank 8
+    new = pool.register("x", write_adapter(tmp_path / "v2", rank=8, seed=2))
+    assert loader.submitted == 3
+    loader.finish_all(rng)  # the guess fails on the rank-8 file; the load of the checked spec succeeds
+    assert pool.lookup("x") is new and new.error is None and new.weights is not None and new.weights.rank == 8
+    assert old.weights is None  # retired, idle: dropped, its image given back
+    assert arena.free_pages == arena.pages - _pages(arena, new), "the guess's image was not given back"
+    pool.close()
+    arena.close()
+
+
+def _pages(arena: PinnedArena, *versions) -> int:  # type: ignore[no-untyped-def]
+    return sum(-(-_image(v).numel() * _image(v).element_size() // arena.page_bytes) for v in versions)
+
+
+def test_a_load_started_ahead_of_a_check_that_fails_is_dropped_and_its_image_given_back(tmp_path: Path) -> None:
+    pool, loader, arena = _checking_pool(tmp_path)
+    rng = random.Random(0)
+    old = pool.register("x", write_adapter(tmp_path / "v1", seed=1))
+    loader.finish_all(rng)
+    loader.start_during_check, loader.fail_check = True, True  # no longer cancellable when the check fails
+    with pytest.raises(AdapterError, match="refused by the test"):
+        pool.register("x", write_adapter(tmp_path / "v2", seed=2))
+    loader.finish_all(rng)  # the guess loads fine, for nobody
+    assert pool.lookup("x") is old and not old.retired
+    assert arena.free_pages == arena.pages - _pages(arena, old)
+    pool.close()
+    arena.close()
+
+
+def test_without_load_ahead_a_hot_swap_loads_after_its_check(tmp_path: Path) -> None:
+    pool, loader, _ = _checking_pool(tmp_path)
+    pool.load_ahead = False
+    pool.register("x", write_adapter(tmp_path / "v1", seed=1))
+    loader.finish_all(random.Random(0))
+    new = pool.register("x", write_adapter(tmp_path / "v2", seed=2))
+    assert loader.submitted_at_check == [0, 1] and loader.submitted == 2
+    loader.finish_all(random.Random(0))
+    assert pool.lookup("x") is new
+    pool.close()
