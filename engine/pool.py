@@ -146,40 +146,39 @@ class AdapterPool:
         current version keeps serving until the new one's weights are loaded, then the name switches.
         """
         ahead = self._load_ahead(name, Path(path))
+        started = ahead[1] if ahead is not None else None  # until `_start_load` takes it: abandoned on every exit
         try:
             spec = self._loader.check(Path(path), self._arch, self._stacks.max_rank)
-        except BaseException:
-            if ahead is not None:
+            if ahead is not None and ahead[0] != spec:  # its rank or projections changed: the wrong image
                 self._abandon(ahead[1])
-            raise
-        if ahead is not None and ahead[0] != spec:  # (its rank or projections changed: loaded for the wrong image)
-            self._abandon(ahead[1])
-            ahead = None
-        version = AdapterVersion(name=name, spec=spec, pinned=pinned)
-        with self._lock:
-            if pinned:
-                self._check_pin_room(name)
-            old = self._by_name.get(name)
-            # The latest registration wins, the current path's too: a replacement still loading must not
-            # take the name over once it has loaded.
-            superseded = self._staged.pop(name, None)
-            if superseded is not None:
-                self._retire(superseded)
-            if old is not None and old.spec.path == spec.path and old.error is None:
-                unpinned, old.pinned = old.pinned and not pinned, pinned
-                if unpinned:  # its host copy may have to go now, like any other beyond the capacity
-                    self._trim_host(keep=None)
-                if ahead is not None:
-                    self._abandon(ahead[1])
-                return old
-            if old is not None and old.error is None:
-                self._staged[name] = version
-            else:
-                self._by_name[name] = version
-                if old is not None:
-                    self._retire(old)
-            self._start_load(version, ahead[1] if ahead is not None else None)
-        return version
+                started = None
+            version = AdapterVersion(name=name, spec=spec, pinned=pinned)
+            with self._lock:
+                if pinned:
+                    self._check_pin_room(name)
+                old = self._by_name.get(name)
+                # The latest registration wins, the current path's too: a replacement still loading must not
+                # take the name over once it has loaded.
+                superseded = self._staged.pop(name, None)
+                if superseded is not None:
+                    self._retire(superseded)
+                if old is not None and old.spec.path == spec.path and old.error is None:
+                    unpinned, old.pinned = old.pinned and not pinned, pinned
+                    if unpinned:  # its host copy may have to go now, like any other beyond the capacity
+                        self._trim_host(keep=None)
+                    return old
+                if old is not None and old.error is None:
+                    self._staged[name] = version
+                else:
+                    self._by_name[name] = version
+                    if old is not None:
+                        self._retire(old)
+                self._start_load(version, started)
+                started = None
+            return version
+        finally:
+            if started is not None:
+                self._abandon(started)
 
     def _load_ahead(self, name: str, path: Path) -> tuple[AdapterSpec, Future[AdapterWeights]] | None:
         """For a hot swap: the new version's load, started before its check, with the serving version's rank

@@ -31,8 +31,15 @@ class ManualLoader:
         self._dtype, self._layout, self._arena = dtype, layout, arena
         self._loads: list[_Load] = []
         self.submitted = 0
+        # When set, each check first starts a random queued load with this chance: a worker may take a load
+        # submitted ahead of the check (`AdapterPool._load_ahead`) while the check runs.
+        self.start_during_check: tuple[random.Random, float] | None = None
 
     def check(self, path: Path, arch: ModelArch, max_rank: int) -> AdapterSpec:
+        if self.start_during_check is not None:
+            rng, chance = self.start_during_check
+            if rng.random() < chance:
+                self.start(rng)
         return read_spec(path, arch, max_rank)
 
     def submit(self, spec: AdapterSpec) -> Future[AdapterWeights]:

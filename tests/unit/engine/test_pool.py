@@ -540,12 +540,12 @@ class _CheckingLoader(ManualLoader):
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
         self.submitted_at_check: list[int] = []
-        self.start_during_check = False
+        self.start_all_during_check = False
         self.fail_check = False
 
     def check(self, path: Path, arch, max_rank: int):  # type: ignore[no-untyped-def]
         self.submitted_at_check.append(self.submitted)
-        if self.start_during_check:
+        if self.start_all_during_check:
             while self.start(random.Random(0)):
                 pass
         if self.fail_check:
@@ -590,7 +590,7 @@ def test_a_load_started_ahead_for_other_shapes_is_dropped_for_one_of_the_checked
     rng = random.Random(0)
     old = pool.register("x", write_adapter(tmp_path / "v1", rank=4, seed=1))
     loader.finish_all(rng)
-    loader.start_during_check = True  # the guess (rank 4) is running when the check says rank 8
+    loader.start_all_during_check = True  # the guess (rank 4) is running when the check says rank 8
     new = pool.register("x", write_adapter(tmp_path / "v2", rank=8, seed=2))
     assert loader.submitted == 3
     loader.finish_all(rng)  # the guess fails on the rank-8 file; the load of the checked spec succeeds
@@ -610,7 +610,7 @@ def test_a_load_started_ahead_of_a_check_that_fails_is_dropped_and_its_image_giv
     rng = random.Random(0)
     old = pool.register("x", write_adapter(tmp_path / "v1", seed=1))
     loader.finish_all(rng)
-    loader.start_during_check, loader.fail_check = True, True  # no longer cancellable when the check fails
+    loader.start_all_during_check, loader.fail_check = True, True  # no longer cancellable when the check fails
     with pytest.raises(AdapterError, match="refused by the test"):
         pool.register("x", write_adapter(tmp_path / "v2", seed=2))
     loader.finish_all(rng)  # the guess loads fine, for nobody
@@ -630,3 +630,21 @@ def test_without_load_ahead_a_hot_swap_loads_after_its_check(tmp_path: Path) -> 
     loader.finish_all(random.Random(0))
     assert pool.lookup("x") is new
     pool.close()
+
+
+def test_a_load_started_ahead_of_a_pin_refused_for_want_of_room_is_dropped(tmp_path: Path) -> None:
+    """The refusal comes after the check, from the pool itself: the load started ahead was left running for
+    nobody, and its image kept an extent of the arena for good."""
+    pool, loader, arena = _checking_pool(tmp_path)  # one slot: no pin fits, one slot stays for the unpinned
+    rng = random.Random(0)
+    old = pool.register("x", write_adapter(tmp_path / "v1", seed=1))
+    loader.finish_all(rng)
+    loader.start_all_during_check = True
+    with pytest.raises(AdapterError, match="cannot pin"):
+        pool.register("x", write_adapter(tmp_path / "v2", seed=2), pinned=True)
+    assert loader.submitted == 2  # it was started ahead
+    loader.finish_all(rng)
+    assert pool.lookup("x") is old
+    assert arena.free_pages == arena.pages - _pages(arena, old), "the image loaded ahead kept its extent"
+    pool.close()
+    arena.close()

@@ -257,6 +257,7 @@ def test_random_interleavings_keep_the_pool_consistent(
     harness: Harness, files: tuple[list[Path], list[Path], list[Path]], seed: int
 ) -> None:
     rng = random.Random(seed)
+    harness.loader.start_during_check = (rng, 0.25)  # a worker may take a load started ahead of a check
     run_ops(harness, files, rng, ops=400)
     drain(harness, rng)
     pool, invariants = harness.pool, harness.invariants
