@@ -32,6 +32,7 @@ from engine.pinned_arena import PinnedArena, attach, map_arena, shared_arena_fit
 
 log = logging.getLogger("engine.adapter_loader")
 T = TypeVar("T")
+LOAD_RETRIES = 2  # tries more for a load whose workers died under it (`ProcessLoader._start`)
 CHECK_TIMEOUT_S = 60.0  # a check waits behind queued checks; beyond this the caller gets a TimeoutError
 
 
@@ -142,6 +143,7 @@ class ProcessLoader:
         and the next task for it starts a new process."""
         with self._lock:
             index = self._least_busy()[0] if worker is None else worker
+            self._replace_if_dead(index)
             try:
                 future = self._executors[index].submit(fn, *args)
             except BrokenProcessPool:
@@ -152,6 +154,17 @@ class ProcessLoader:
             self._queued[index] += 1
         future.add_done_callback(lambda _: self._task_done(index))
         return future
+
+    def _replace_if_dead(self, index: int) -> None:
+        """A new process for worker `index` if its process has died. Its executor learns of a death only when
+        its own thread next wakes: meanwhile it still takes tasks, which then fail with BrokenProcessPool. A
+        load started again after its workers were killed sent a part there, and failed a second time."""
+        executor = self._executors[index]
+        if all(p.is_alive() for p in (executor._processes or {}).values()):
+            return
+        log.warning("adapter loader process %d died: starting a new one", index)
+        executor.shutdown(wait=False, cancel_futures=True)
+        self._executors[index] = self._start_worker()
 
     def _least_busy(self) -> list[int]:
         """The loading workers, those with the fewest tasks queued first."""
@@ -182,20 +195,23 @@ class ProcessLoader:
 
     def submit(self, spec: AdapterSpec) -> Future[AdapterWeights]:
         outer: Future[AdapterWeights] = Future()
-        self._start(spec, outer, retry=True)
+        self._start(spec, outer, retries=LOAD_RETRIES)
         return outer
 
-    def _start(self, spec: AdapterSpec, outer: Future[AdapterWeights], retry: bool) -> None:
-        # A load that fails because a worker died is started once more, on a new process in its place: the
-        # worker may have died loading another adapter, and this one's requests should not fail for it.
+    def _start(self, spec: AdapterSpec, outer: Future[AdapterWeights], retries: int) -> None:
+        # A load that fails because a worker died is started again, on new processes in their place: the worker
+        # may have died loading another adapter, and this one's requests should not fail for it. More than once:
+        # workers killed together die a few milliseconds apart, and a load started again when the first death
+        # was seen could send a part to a worker about to die. A load that kills its workers itself (a file
+        # truncated under their maps) fails after `LOAD_RETRIES` more tries.
         def again() -> None:
             if not outer.done():
                 try:
-                    self._start(spec, outer, retry=False)
+                    self._start(spec, outer, retries - 1)
                 except Exception as exc:  # no new workers: in a future's callback, raising would leave it pending
                     outer.set_exception(exc)
 
-        on_broken = again if retry else None
+        on_broken = again if retries > 0 else None
         extent = self._extent_for(spec)
         if extent is not None:
             assert self._arena is not None and self._layout is not None

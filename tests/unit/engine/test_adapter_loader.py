@@ -299,19 +299,25 @@ def test_a_load_cancelled_while_its_result_is_copied_out_leaves_no_extent_taken(
     assert shared_arena.free_pages == empty
 
 
+def _loader_without_workers() -> ProcessLoader:
+    import threading
+
+    loader = ProcessLoader.__new__(ProcessLoader)
+    loader._dtype, loader._layout, loader._arena = torch.float32, None, None
+    loader._pin, loader._workers, loader._lock = False, 1, threading.RLock()
+    return loader
+
+
 def test_a_load_restarted_after_the_workers_died_fails_if_no_new_worker_takes_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The restart runs in a callback of the failed future, where an exception is only logged: a restart
     that could not submit (new workers that could not start) left the load pending for good, and the
     requests waiting for its adapter with it."""
-    import threading
     from concurrent.futures import Future
     from concurrent.futures.process import BrokenProcessPool
 
-    loader = ProcessLoader.__new__(ProcessLoader)  # no workers: `_run` below stands for them
-    loader._dtype, loader._layout, loader._arena = torch.float32, None, None
-    loader._pin, loader._workers, loader._lock = False, 1, threading.RLock()
+    loader = _loader_without_workers()  # `_run` below stands for them
     calls = []
 
     def run(fn, *args):  # type: ignore[no-untyped-def]
@@ -326,4 +332,29 @@ def test_a_load_restarted_after_the_workers_died_fails_if_no_new_worker_takes_it
     future = loader.submit(read_spec(write_adapter(tmp_path / "a"), TINY, 8))
     assert len(calls) == 2  # started once more
     with pytest.raises(RuntimeError, match="cannot start loader processes"):
+        future.result(timeout=1)
+
+
+def test_a_load_whose_workers_keep_dying_is_tried_a_bounded_number_of_times(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Workers killed together die milliseconds apart, so a load started again at the first death may lose a
+    part to the next one: it is tried again more than once, but a load that kills every worker it runs on (a
+    file truncated under their maps) must end."""
+    from concurrent.futures import Future
+    from concurrent.futures.process import BrokenProcessPool
+
+    loader = _loader_without_workers()  # `_run` below stands for them
+    calls = []
+
+    def run(fn, *args):  # type: ignore[no-untyped-def]
+        calls.append(fn)
+        broken: Future[AdapterWeights] = Future()
+        broken.set_exception(BrokenProcessPool("a worker died"))
+        return broken
+
+    monkeypatch.setattr(loader, "_run", run)
+    future = loader.submit(read_spec(write_adapter(tmp_path / "a"), TINY, 8))
+    assert len(calls) == 1 + loader_module.LOAD_RETRIES > 2
+    with pytest.raises(BrokenProcessPool):
         future.result(timeout=1)
