@@ -882,6 +882,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.swaps < 1:
         ap.error(f"--swaps must be at least 1, got {args.swaps}")
+    if not set(args.load_ahead.split(",")) <= {"on", "off"}:
+        ap.error(f"--load-ahead takes on and off, comma-separated, got {args.load_ahead!r}")
     global TRACE, LOADER
     TRACE = args.trace
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

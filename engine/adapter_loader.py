@@ -7,7 +7,7 @@ arena (`PinnedArena`, page-locked shared memory) the workers write the slot imag
 an extent the engine handed out, each worker its own share of the layers side by side, and nothing but
 their outcome comes back. Without one (or when it is full), the
 result comes back through torch's shared memory and the engine process copies it out, into pinned memory
-when a GPU will read it. Registration's header check (`check`) runs in a worker too.
+when a GPU will read it. Registration's header check (`check`) runs in a process of its own.
 """
 
 from __future__ import annotations
@@ -163,7 +163,9 @@ class ProcessLoader:
         if all(p.is_alive() for p in (executor._processes or {}).values()):
             return
         log.warning("adapter loader process %d died: starting a new one", index)
-        executor.shutdown(wait=False, cancel_futures=True)
+        # Its queued tasks are not cancelled: the executor's thread fails them with BrokenProcessPool once it
+        # sees the death, which starts their loads again. Cancelled, they ended loads that nobody retried.
+        executor.shutdown(wait=False)
         self._executors[index] = self._start_worker()
 
     def _least_busy(self) -> list[int]:
@@ -182,7 +184,7 @@ class ProcessLoader:
         process, behind other checks only."""
         try:
             return self._checked(path, arch, max_rank)
-        except BrokenProcessPool:  # a worker died meanwhile (maybe loading another adapter): once more
+        except BrokenProcessPool:  # the checker process died meanwhile (killed, out of memory): once more
             return self._checked(path, arch, max_rank)
 
     def _checked(self, path: Path, arch: ModelArch, max_rank: int) -> AdapterSpec:
@@ -190,7 +192,7 @@ class ProcessLoader:
         try:
             return future.result(CHECK_TIMEOUT_S)
         except TimeoutError:
-            future.cancel()  # still queued behind loads: then it never runs
+            future.cancel()  # still queued behind other checks: then it never runs
             raise
 
     def submit(self, spec: AdapterSpec) -> Future[AdapterWeights]:

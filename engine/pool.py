@@ -184,10 +184,11 @@ class AdapterPool:
         """For a hot swap: the new version's load, started before its check, with the serving version's rank
         and projections (what a new version of an adapter mostly keeps), and the spec it was started with.
 
-        The check is a round trip to the loader's checker process, 3-5 ms on an H100 host, and a 32-layer
-        Llama-7B load takes 15-20 ms after it (bench/RESULTS-gpu.md, stop 33): run side by side, the swap
-        waits for the longer of the two. `register` keeps the load if the check finds the same spec, and
-        abandons it otherwise (the load itself fails, harmlessly, on a file whose shapes differ)."""
+        With loader processes the check is a round trip to the checker process, 3-5 ms on an H100 host, and a
+        32-layer Llama-7B load takes 15-20 ms after it (bench/RESULTS-gpu.md, stop 33): run side by side, the
+        swap waits for the longer of the two. `register` keeps the load if the check finds the same spec, and
+        abandons it otherwise: its rank, scaling or projections changed (a load of the wrong rank fails on
+        its own, harmlessly)."""
         with self._lock:
             old = self._by_name.get(name)
             if not self.load_ahead or old is None or old.error is not None or old.spec.path == path:
@@ -392,9 +393,11 @@ class AdapterPool:
         try:
             with self._lock:
                 version.loading = None
-                if future.cancelled():
+                if future.cancelled() and version.retired:
                     return
-                exc = future.exception()
+                # Only a retired version's load is cancelled on purpose (`_retire`). Any other cancel (none is
+                # known) is a failed load: ignored, it left a staged version staged and its waiters waiting.
+                exc = future.exception() if not future.cancelled() else RuntimeError("the load was cancelled")
                 staged = self._staged.get(version.name) is version
                 if exc is not None:
                     version.error = str(exc) if isinstance(exc, AdapterError) else f"load failed: {exc!r}"

@@ -648,3 +648,20 @@ def test_a_load_started_ahead_of_a_pin_refused_for_want_of_room_is_dropped(tmp_p
     assert arena.free_pages == arena.pages - _pages(arena, old), "the image loaded ahead kept its extent"
     pool.close()
     arena.close()
+
+
+def test_a_load_cancelled_by_anything_but_a_retirement_fails_its_version(tmp_path: Path) -> None:
+    """A load's future is cancelled on purpose only when its version is retired. Any other cancel (a loader
+    that cancels its queued tasks) used to leave a staged version staged for good, and `wait_loaded` reported
+    success for a version that never loaded."""
+    pool, loader, arena = _checking_pool(tmp_path)
+    rng = random.Random(0)
+    old = pool.register("x", write_adapter(tmp_path / "v1", seed=1))
+    loader.finish_all(rng)
+    new = pool.register("x", write_adapter(tmp_path / "v2", seed=2))
+    assert new.loading is not None and new.loading.cancel()
+    assert new.settled.is_set() and pool.lookup("x") is old and not old.retired
+    with pytest.raises(AdapterError, match="cancelled"):
+        pool.wait_loaded(new, timeout=1)
+    pool.close()
+    arena.close()
