@@ -81,6 +81,11 @@ def _worker_init(arena: str | None, populate: bool) -> None:
             log.warning("a loader process could not map the adapter arena %s", arena, exc_info=True)
 
 
+def _alive(process: multiprocessing.process.BaseProcess) -> bool:
+    """Whether a worker's process still runs (tests stand in for a death its executor has not seen yet)."""
+    return process.is_alive()
+
+
 def _started() -> None:
     """A task that only makes the pool start a worker (its import of torch is the slow part)."""
 
@@ -160,7 +165,7 @@ class ProcessLoader:
         its own thread next wakes: meanwhile it still takes tasks, which then fail with BrokenProcessPool. A
         load started again after its workers were killed sent a part there, and failed a second time."""
         executor = self._executors[index]
-        if all(p.is_alive() for p in (executor._processes or {}).values()):
+        if all(_alive(p) for p in (executor._processes or {}).values()):
             return
         log.warning("adapter loader process %d died: starting a new one", index)
         # Its queued tasks are not cancelled: the executor's thread fails them with BrokenProcessPool once it
