@@ -50,7 +50,7 @@ from engine.adapters import (
     load_layers_into,
     read_spec,
 )
-from engine.lora import PROJECTION_GROUPS, LoRAStacks, SlotLayout, image_groups, pack_layers
+from engine.lora import LoRAStacks, SlotLayout, image_groups, member_places, pack_layers
 from engine.pinned_arena import PinnedArena, attach, map_arena
 from tests.unit.engine.tiny import write_adapter
 
@@ -117,13 +117,8 @@ def read_into(spec: AdapterSpec, layout: SlotLayout, image: torch.Tensor, layers
 
     places: dict[tuple[int, str, str], torch.Tensor] = {}
     groups = image_groups(spec.modules)
-    for group, (a_img, b_img) in zip(groups, layout.images(image, groups, spec.rank), strict=True):
-        for layer in layers:
-            n0 = 0
-            for i, (module, width) in enumerate(zip(PROJECTION_GROUPS[group], layout.group_slices[group], strict=True)):
-                places[(layer, module, "A")] = a_img[layer, i]
-                places[(layer, module, "B")] = b_img[layer, n0 : n0 + width]
-                n0 += width
+    for layer, module, a, b in member_places(layout, groups, layout.images(image, groups, spec.rank), layers):
+        places[(layer, module, "A")], places[(layer, module, "B")] = a, b
     path = spec.path / WEIGHTS_FILE
     with safe_open(str(path), framework="pt") as f:
         entries = [(name, f.get_slice(name)) for name in f.offset_keys()]

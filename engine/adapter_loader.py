@@ -148,29 +148,26 @@ class ProcessLoader:
         and the next task for it starts a new process."""
         with self._lock:
             index = self._least_busy()[0] if worker is None else worker
-            self._replace_if_dead(index)
+            if not all(_alive(p) for p in (self._executors[index]._processes or {}).values()):
+                self._replace_worker(index)
             try:
                 future = self._executors[index].submit(fn, *args)
             except BrokenProcessPool:
-                log.warning("adapter loader process %d died: starting a new one", index)
-                self._executors[index].shutdown(wait=False, cancel_futures=True)
-                self._executors[index] = self._start_worker()
+                self._replace_worker(index)
                 future = self._executors[index].submit(fn, *args)
             self._queued[index] += 1
         future.add_done_callback(lambda _: self._task_done(index))
         return future
 
-    def _replace_if_dead(self, index: int) -> None:
-        """A new process for worker `index` if its process has died. Its executor learns of a death only when
-        its own thread next wakes: meanwhile it still takes tasks, which then fail with BrokenProcessPool. A
-        load started again after its workers were killed sent a part there, and failed a second time."""
-        executor = self._executors[index]
-        if all(_alive(p) for p in (executor._processes or {}).values()):
-            return
+    def _replace_worker(self, index: int) -> None:
+        """A new process for worker `index`, whose process died. Its executor learns of a death only when its
+        own thread next wakes, and meanwhile still takes tasks, which then fail with BrokenProcessPool: a load
+        started again after its workers were killed sent a part there, and failed a second time. So a death
+        is looked for before each task, as well as seen when a submission fails."""
         log.warning("adapter loader process %d died: starting a new one", index)
         # Its queued tasks are not cancelled: the executor's thread fails them with BrokenProcessPool once it
         # sees the death, which starts their loads again. Cancelled, they ended loads that nobody retried.
-        executor.shutdown(wait=False)
+        self._executors[index].shutdown(wait=False)
         self._executors[index] = self._start_worker()
 
     def _least_busy(self) -> list[int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +108,19 @@ def pack_adapter(layout: SlotLayout, adapter: AdapterWeights, dtype: torch.dtype
     return AdapterWeights(adapter.rank, adapter.scaling, adapter.modules, {}, buffer, groups)
 
 
+def member_places(
+    layout: SlotLayout, groups: tuple[str, ...], images: list[tuple[torch.Tensor, torch.Tensor]], layers: range
+) -> Iterator[tuple[int, str, torch.Tensor, torch.Tensor]]:
+    """Where each projection's A [rank, in] and B [out, rank] of `layers` go in an image (`images`: its groups'
+    views, `SlotLayout.images`): (layer, module, A's place, B's place), group by group, layer by layer."""
+    for group, (a_img, b_img) in zip(groups, images, strict=True):
+        for layer in layers:
+            n0 = 0
+            for i, (module, width) in enumerate(zip(PROJECTION_GROUPS[group], layout.group_slices[group], strict=True)):
+                yield layer, module, a_img[layer, i], b_img[layer, n0 : n0 + width]
+                n0 += width
+
+
 def pack_layers(
     layout: SlotLayout,
     image: torch.Tensor,
@@ -123,20 +136,15 @@ def pack_layers(
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
     absent: list[torch.Tensor] = []
-    spans: list[torch.Tensor] = []
-    for group, (a_img, b_img) in zip(groups, layout.images(image, groups, rank), strict=True):
-        spans += [a_img[layers.start : layers.stop], b_img[layers.start : layers.stop]]
-        for layer in layers:
-            n0 = 0
-            for i, (module, width) in enumerate(zip(PROJECTION_GROUPS[group], layout.group_slices[group], strict=True)):
-                views = [a_img[layer, i], b_img[layer, n0 : n0 + width]]
-                pair = tensors.get((layer, module))
-                if pair is None:
-                    absent += views
-                else:
-                    dst += views
-                    src += pair
-                n0 += width
+    images = layout.images(image, groups, rank)
+    spans = [matrix[layers.start : layers.stop] for pair in images for matrix in pair]
+    for layer, module, a, b in member_places(layout, groups, images, layers):
+        pair = tensors.get((layer, module))
+        if pair is None:
+            absent += [a, b]
+        else:
+            dst += [a, b]
+            src += pair
     if absent:
         torch._foreach_zero_(absent)
     if dst:
