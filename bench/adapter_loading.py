@@ -49,7 +49,7 @@ import torch
 
 from bench.percentiles import percentile  # (not from gateway_rest: it imports grpc)
 from engine.adapter_loader import AdapterLoader, ProcessLoader, ThreadLoader, _started, _worker_init, fill_layers
-from engine.adapters import _mapped_layers, _pairs, read_spec
+from engine.adapters import _mapped_layers, pair_tensors, read_spec
 from engine.config import EngineConfig, ModelArch
 from engine.lora import PROJECTION_GROUPS, LoRAStacks, SlotLayout, image_groups, pack_layers
 from engine.pinned_arena import PinnedArena
@@ -305,7 +305,7 @@ def pack_b_layouts(tmp: Path, rounds: int) -> dict[str, list[float]]:
     groups = image_groups(ALL7)
     image = torch.empty(layout.image_size(groups, 16), dtype=torch.bfloat16)
     layers = range(4, 8)
-    tensors = _pairs(folder, _mapped_layers(folder, arch.num_layers, layers))
+    tensors = pair_tensors(folder, _mapped_layers(folder, arch.num_layers, layers))
     packers: dict[str, Callable[[], object]] = {
         "out-major": lambda: pack_layers(layout, image, groups, 16, tensors, layers),
         "rank-major": lambda: _pack_rank_major(layout, image, groups, 16, tensors, layers),

@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from bench.adapter_loading import ALL7, LLAMA_7B_16
-from engine.adapter_loader import ProcessLoader
+from engine.adapter_device_loader import DeviceLoader
+from engine.adapter_loader import AdapterLoader, ProcessLoader, ThreadLoader
 from engine.adapters import read_spec
 from engine.lora import LoRAStacks, image_groups
 from engine.pinned_arena import PinnedArena
@@ -194,9 +195,10 @@ def main() -> None:
     loader = ProcessLoader(torch.bfloat16, layout, 8, arena)
     gpu_image = torch.empty(image_bytes // 2, dtype=torch.bfloat16, device=device)
 
-    def engine_way() -> tuple[float, float]:
+    def load_and_upload(way: AdapterLoader) -> tuple[float, float]:
+        """Seconds until `way` has loaded the host image, and until the image is on the GPU."""
         start = time.perf_counter()
-        image = loader.submit(spec).result().packed
+        image = way.submit(spec).result().packed
         assert image is not None
         packed = time.perf_counter()
         with torch.cuda.stream(up.side):
@@ -211,9 +213,19 @@ def main() -> None:
         times.setdefault(name, []).append(seconds * 1e3)
 
     def engine_path() -> None:
-        packed, uploaded = engine_way()
+        packed, uploaded = load_and_upload(loader)
         note("engine: 8 loader processes pack bf16 (host)", packed)
         note(ENGINE, uploaded)
+
+    device_loaders = {
+        n: DeviceLoader(ThreadLoader(torch.bfloat16, layout), torch.bfloat16, layout, device, arena, readers=n)
+        for n in (8, 16)
+    }
+
+    def device_path(readers: int) -> None:
+        loaded, uploaded = load_and_upload(device_loaders[readers])
+        note(f"device loader, {readers} readers (host image)", loaded)
+        note(f"device loader, {readers} readers + 80 MB image to GPU", uploaded)
 
     def pread_path(threads: int, copy_each: bool) -> None:
         read, uploaded = pread_threads(up, pools[threads], threads, copy_each)
@@ -229,7 +241,11 @@ def main() -> None:
         note("+ copy + convert", copied)
         note("+ unlock", unlocked)
 
-    paths: list[Callable[[], None]] = [engine_path]
+    paths: list[Callable[[], None]] = [
+        engine_path,
+        functools.partial(device_path, 8),
+        functools.partial(device_path, 16),
+    ]
     paths += [functools.partial(pread_path, t, each) for t in (4, 8, 16) for each in (False, True)]
     paths += [
         functools.partial(
@@ -259,6 +275,11 @@ def main() -> None:
     for threads in (8, 16):
         name = f"pread {threads} threads, each share copied as read, + convert"
         print(f"{name} / the engine's way: {statistics.median(times[name]) / engine:.2f}x")
+    for readers in (8, 16):
+        name = f"device loader, {readers} readers + 80 MB image to GPU"
+        print(f"{name} / the engine's way: {statistics.median(times[name]) / engine:.2f}x")
+    for device_loader in device_loaders.values():
+        device_loader.close()
     loader.close()
     arena.close()
 

@@ -824,7 +824,11 @@ def main() -> None:
         help="section e's pinned arena (MiB): room for all 500 adapters in host RAM at Llama-7B dims",
     )
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (no figures)")
-    ap.add_argument("--loaders", default="process,thread", help="adapter loaders to compare in sections d and f")
+    ap.add_argument(
+        "--loaders",
+        default="process,thread",
+        help="adapter loaders to compare in sections d and f (process, thread, device)",
+    )
     ap.add_argument(
         "--switch-intervals",
         default="0",
@@ -833,12 +837,13 @@ def main() -> None:
     ap.add_argument(
         "--pinned-mb",
         default="1024",
-        help="shared pinned arenas of loader processes (MiB; 0 = none, 1024 the default) for d and f",
+        help="shared pinned arenas of the process and device loaders (MiB; 0 = none, 1024 the default) for d and f",
     )
     ap.add_argument(
         "--loader-workers",
         default="0",
-        help="loader processes, each load split over all of them (0 = the engine's default; 1 = unsplit) for d and f",
+        help="loader processes, each load split over all of them (0 = the engine's default; 1 = unsplit), or the "
+        "device loader's reading threads, for d and f",
     )
     ap.add_argument(
         "--fold-prompt-tokens",
@@ -914,8 +919,8 @@ def main() -> None:
         (loader, float(ms), int(mb), int(workers), fold, int(row_tile), gemm)
         for loader in args.loaders.split(",")
         for ms in args.switch_intervals.split(",")
-        for mb in (args.pinned_mb.split(",") if loader == "process" else ["0"])  # threads use no arena
-        for workers in (args.loader_workers.split(",") if loader == "process" else ["0"])
+        for mb in (args.pinned_mb.split(",") if loader != "thread" else ["0"])  # threads use no arena
+        for workers in (args.loader_workers.split(",") if loader != "thread" else ["0"])
         for fold in args.fold_prompt_tokens.split(",")
         for row_tile in args.lora_gemm_row_tile.split(",")
         for gemm in args.lora_gemm_loads.split(",")
@@ -923,10 +928,12 @@ def main() -> None:
     if not {"d", "f", "t", "j"}.intersection(args.only):
         configs = []
     for loader, switch_ms, pinned_mb, workers, fold, row_tile, gemm in configs:
-        arena = f", shared arena {pinned_mb} MiB" if loader == "process" else ""
-        split = (
-            f", {EngineConfig(adapter_loader_workers=workers).loader_workers()} workers" if loader == "process" else ""
-        )
+        arena = f", shared arena {pinned_mb} MiB" if loader != "thread" else ""
+        resolved = EngineConfig(adapter_loader_workers=workers)
+        split = {
+            "process": f", {resolved.loader_workers()} workers",
+            "device": f", {resolved.reader_threads()} reading threads",
+        }.get(loader, "")
         LOADER = (
             f"{loader} loader, GIL switch {switch_ms or 5:g} ms{arena}{split}, prompts folded up to {fold}, "
             f"LoRA GEMM row tile up to {row_tile}, lora_gemm {gemm}"

@@ -42,12 +42,12 @@ from engine.adapters import (
     _KEY,
     WEIGHTS_FILE,
     AdapterSpec,
-    _all_finite,
     _float_dtype,
     _mapped_layers,
-    _pairs,
+    all_finite,
     load_adapter,
     load_layers_into,
+    pair_tensors,
     read_spec,
 )
 from engine.lora import LoRAStacks, SlotLayout, image_groups, member_places, pack_layers
@@ -96,11 +96,11 @@ def part(variant: str, layers: range) -> tuple[float, float]:
         if variant == ENGINE:
             load_layers_into(spec, torch.bfloat16, layout, image, layers)
         else:
-            tensors = _pairs(spec.path, _mapped_layers(spec.path, layout.num_layers, layers))
+            tensors = pair_tensors(spec.path, _mapped_layers(spec.path, layout.num_layers, layers))
             if "each layer" in variant:
                 for layer in layers:
                     spans = pack_layers(layout, image, groups, spec.rank, tensors, range(layer, layer + 1))
-                    if not all(_all_finite(span) for span in spans):
+                    if not all(all_finite(span) for span in spans):
                         raise ValueError("not finite")
             else:
                 pack_layers(layout, image, groups, spec.rank, tensors, layers)
@@ -147,9 +147,9 @@ def read_into(spec: AdapterSpec, layout: SlotLayout, image: torch.Tensor, layers
             if os.preadv(fd, buffers, start) != length:
                 raise EOFError(f"{path} ended early")
             if "each run" in check:
-                finite &= all(_all_finite(t) for t in tensors)
+                finite &= all(all_finite(t) for t in tensors)
         if check == "checked after":
-            finite &= all(_all_finite(t) for run in runs for t in run[3])
+            finite &= all(all_finite(t) for run in runs for t in run[3])
         if not finite:
             raise ValueError("not finite")
     finally:

@@ -256,12 +256,19 @@ def make_loader(
     """The loader `config.adapter_loader` asks for, and the shared page-locked arena it writes into, if any.
 
     On "auto", loader processes keep adapter loads off a GPU engine's GIL-bound step loop (RESULTS-gpu.md,
-    section d); a CPU engine's loop is bound by its matmuls, and threads start faster.
+    section d); a CPU engine's loop is bound by its matmuls, and threads start faster. "device" (CUDA, fused
+    stacks) reads files by threads and converts them on the GPU (`DeviceLoader`), with one loader process for
+    checks and for the files it leaves to others.
     """
-    in_processes = device.type == "cuda" if config.adapter_loader == "auto" else config.adapter_loader == "process"
+    in_processes = device.type == "cuda" if config.adapter_loader == "auto" else config.adapter_loader != "thread"
     if not in_processes:
         return ThreadLoader(dtype, layout), None
     arena = _shared_arena(device, config.pinned_adapter_memory_mb)
+    if config.adapter_loader == "device" and layout is not None:
+        from engine.adapter_device_loader import DeviceLoader  # (which imports this module)
+
+        fallback = ProcessLoader(dtype, layout, 1, arena)
+        return DeviceLoader(fallback, dtype, layout, device, arena, config.reader_threads()), arena
     return ProcessLoader(dtype, layout, config.loader_workers(), arena), arena
 
 

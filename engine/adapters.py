@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -142,8 +143,8 @@ def load_adapter(
         raw = load((spec.path / WEIGHTS_FILE).read_bytes())
     except (SafetensorError, OSError) as exc:
         raise AdapterError(f"{spec.path}: cannot load {WEIGHTS_FILE} ({exc})") from exc
-    tensors = _pairs(spec.path, raw)
-    _check_registered(spec, tensors)
+    tensors = pair_tensors(spec.path, raw)
+    check_registered(spec, tensors)
     pin = torch.cuda.is_available() if pin is None else pin
     # The conversion to `dtype` happens in the one copy into the final buffer, which is checked as a whole
     # (values finite in the file can overflow in a narrower dtype); the culprit is looked for only on failure.
@@ -155,12 +156,12 @@ def load_adapter(
     else:
         host, flat = host_copy(tensors, dtype, pin)
         weights = AdapterWeights(spec.rank, spec.scaling, spec.modules, host)
-    if not _all_finite(flat):
-        raise AdapterError(f"{spec.path}: {_non_finite(tensors, dtype)} contains NaN or infinite values (in {dtype})")
+    if not all_finite(flat):
+        raise AdapterError(f"{spec.path}: {non_finite(tensors, dtype)} contains NaN or infinite values (in {dtype})")
     return weights
 
 
-def _all_finite(values: torch.Tensor) -> bool:
+def all_finite(values: torch.Tensor) -> bool:
     """Whether no value is NaN or infinite. Extremes propagate both (NaN wins min and max, an infinity wins
     one of them): one reduction, many times faster on the CPU than an elementwise isfinite in bf16."""
     if values.numel() == 0:
@@ -184,51 +185,73 @@ def load_layers_into(
     from safetensors import SafetensorError
 
     try:
-        tensors = _pairs(spec.path, _mapped_layers(spec.path, layout.num_layers, layers))
+        tensors = pair_tensors(spec.path, _mapped_layers(spec.path, layout.num_layers, layers))
     except AdapterError:
         raise
     except (SafetensorError, OSError, ValueError) as exc:  # ValueError: mmap of a file emptied meanwhile
         raise AdapterError(f"{spec.path}: cannot load {WEIGHTS_FILE} ({exc})") from exc
-    _check_registered(spec, tensors)
+    check_registered(spec, tensors)
     try:
         spans = pack_layers(layout, image, image_groups(spec.modules), spec.rank, tensors, layers)
     except RuntimeError as exc:  # a shape that changed since registration
         raise AdapterError(f"{spec.path}: {WEIGHTS_FILE} no longer fits its registered shapes ({exc})") from exc
-    if not all(_all_finite(span) for span in spans):
-        raise AdapterError(f"{spec.path}: {_non_finite(tensors, dtype)} contains NaN or infinite values (in {dtype})")
+    if not all(all_finite(span) for span in spans):
+        raise AdapterError(f"{spec.path}: {non_finite(tensors, dtype)} contains NaN or infinite values (in {dtype})")
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTensor:
+    """One tensor of a weights file as stored: its name, dtype and shape, and where its bytes lie."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # from the start of the file
+    nbytes: int
+
+
+def stored_tensors(folder: Path, handle: BinaryIO) -> list[StoredTensor]:
+    """The tensors of `folder`'s weights file, which `handle` has open, in the order they lie in it.
+
+    safetensors parses and validates the header: names, dtypes, shapes, and tensors that lie back to back,
+    in `offset_keys` order, up to the end of the file. So a tensor starts where the ones before it end,
+    counted back from the file's end (the size of the file `handle` has open). A path that no longer names
+    that file (replaced meanwhile) is refused: AdapterError, as for a tensor that is not floating point.
+    """
+    from safetensors import safe_open
+
+    path = folder / WEIGHTS_FILE
+    opened = os.fstat(handle.fileno())
+    with safe_open(str(path), framework="pt") as f:
+        slices = [(name, f.get_slice(name)) for name in f.offset_keys()]
+        entries = [(name, _float_dtype(folder, name, s.get_dtype()), tuple(s.get_shape())) for name, s in slices]
+    if _identity(os.stat(path)) != _identity(opened):
+        raise AdapterError(f"{folder}: {WEIGHTS_FILE} was replaced while it loaded")
+    sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in entries]
+    offset = opened.st_size - sum(sizes)
+    stored: list[StoredTensor] = []
+    for (name, dtype, shape), size in zip(entries, sizes, strict=True):
+        stored.append(StoredTensor(name, dtype, shape, offset, size))
+        offset += size
+    return stored
 
 
 def _mapped_layers(folder: Path, num_layers: int, layers: range) -> dict[str, torch.Tensor]:
     """The file's tensors of `layers`, as views of a private memory map of it: packing them reads the page
     cache directly, without first copying every tensor out of the file (which took as long as the packing).
-
-    safetensors parses and validates the header: names, dtypes, shapes, and tensors that lie back to back,
-    in `offset_keys` order, up to the end of the file. So a tensor starts where the ones before it end,
-    counted back from the file's end. The file is mapped through the handle it was checked by, and a path
-    that no longer names that file (replaced meanwhile) is refused.
-    """
-    from safetensors import safe_open
-
+    The file is mapped through the handle its header was read by (`stored_tensors`)."""
     path = folder / WEIGHTS_FILE
     with path.open("rb") as handle:
-        opened = os.fstat(handle.fileno())
-        with safe_open(str(path), framework="pt") as f:
-            slices = [(name, f.get_slice(name)) for name in f.offset_keys()]
-            entries = [(name, _float_dtype(folder, name, s.get_dtype()), s.get_shape()) for name, s in slices]
-        if _identity(os.stat(path)) != _identity(opened):
-            raise AdapterError(f"{folder}: {WEIGHTS_FILE} was replaced while it loaded")
-        mapped = mmap.mmap(handle.fileno(), opened.st_size, access=mmap.ACCESS_COPY)
+        stored = stored_tensors(folder, handle)
+        mapped = mmap.mmap(handle.fileno(), os.fstat(handle.fileno()).st_size, access=mmap.ACCESS_COPY)
     data = torch.frombuffer(mapped, dtype=torch.uint8)
-    sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in entries]
-    offset = opened.st_size - sum(sizes)
     tensors: dict[str, torch.Tensor] = {}
-    for (name, dtype, shape), size in zip(entries, sizes, strict=True):
-        if _layer_of(folder, name, num_layers) in layers:
-            raw = data[offset : offset + size]
-            if offset % dtype.itemsize:  # (the format does not promise aligned tensors: copy that one)
+    for t in stored:
+        if layer_of(folder, t.name, num_layers) in layers:
+            raw = data[t.offset : t.offset + t.nbytes]
+            if t.offset % t.dtype.itemsize:  # (the format does not promise aligned tensors: copy that one)
                 raw = raw.clone()
-            tensors[name] = raw.view(dtype).view(shape)
-        offset += size
+            tensors[t.name] = raw.view(t.dtype).view(t.shape)
     return tensors
 
 
@@ -243,7 +266,7 @@ def _float_dtype(folder: Path, name: str, dtype: str) -> torch.dtype:
     return _FLOAT_DTYPES[dtype]
 
 
-def _layer_of(folder: Path, key: str, num_layers: int) -> int:
+def layer_of(folder: Path, key: str, num_layers: int) -> int:
     match = _KEY.match(key)
     if match is None:
         raise AdapterError(f"{folder}: unsupported tensor {key!r}")
@@ -253,7 +276,9 @@ def _layer_of(folder: Path, key: str, num_layers: int) -> int:
     return layer
 
 
-def _pairs(folder: Path, raw: dict[str, torch.Tensor]) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+def pair_tensors(
+    folder: Path, raw: dict[str, torch.Tensor]
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """The file's tensors by (layer, module) as (A, B); AdapterError for a name we do not know or half a pair."""
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, tensor in raw.items():
@@ -269,7 +294,7 @@ def _pairs(folder: Path, raw: dict[str, torch.Tensor]) -> dict[tuple[int, str], 
     return tensors
 
 
-def _check_registered(spec: AdapterSpec, tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> None:
+def check_registered(spec: AdapterSpec, tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> None:
     """AdapterError if the file as read now (`tensors`) no longer matches its registered `spec`: a file
     rewritten since its check. Its tensors are copied into places sized for `spec`, where a rank-1 file
     would broadcast silently and other projections would be served under the registered ones' names."""
@@ -284,7 +309,7 @@ def _check_registered(spec: AdapterSpec, tensors: dict[tuple[int, str], tuple[to
             )
 
 
-def _non_finite(tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> str:
+def non_finite(tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> str:
     """Which of `tensors` is not finite in `dtype` (looked for only once a whole check failed)."""
     return next(
         f"{key[1]} of layer {key[0]}"

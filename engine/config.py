@@ -33,10 +33,12 @@ class EngineConfig:
     max_lora_rank: int = 32
     host_adapter_cache: int = 64  # adapters kept loaded in host memory
     adapter_eviction: str = "frequency"  # LoRA slots: frequency (decayed frequency, recency, pinning) | lru
-    # Where adapter files are read: thread | process (keeps the GIL free) | auto (process on CUDA, else thread)
+    # Where adapter files are read: thread | process (keeps the GIL free) | device (CUDA: threads read the file's
+    # bytes as stored, the GPU converts and checks them; engine/adapter_device_loader.py) | auto (process on
+    # CUDA, else thread)
     adapter_loader: str = "auto"
     # Loader processes; with the shared arena one load is split over all of them by layers. 0 = auto: half
-    # the cores, 2 to 8.
+    # the cores, 2 to 8. With the device loader: its reading threads (0 = auto: the cores, 2 to 16).
     adapter_loader_workers: int = 0
     # CUDA with loader processes: page-locked shared memory taken at start-up, which the loaders write host
     # images straight into (beyond it, each image is pinned alone)
@@ -124,8 +126,8 @@ class EngineConfig:
             raise ValueError(f"gil_switch_interval_ms must be >= 0 and finite, got {self.gil_switch_interval_ms}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be within (0, 1], got {self.gpu_memory_utilization}")
-        if self.adapter_loader not in ("auto", "thread", "process"):
-            raise ValueError(f"adapter_loader must be auto, thread or process, got {self.adapter_loader!r}")
+        if self.adapter_loader not in ("auto", "thread", "process", "device"):
+            raise ValueError(f"adapter_loader must be auto, thread, process or device, got {self.adapter_loader!r}")
         if self.adapter_eviction not in ("frequency", "lru"):
             raise ValueError(f"adapter_eviction must be frequency or lru, got {self.adapter_eviction!r}")
         if self.prefix_caching not in ("on", "off"):
@@ -151,6 +153,8 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r}: this machine has {torch.cuda.device_count()} CUDA devices")
         if self.attention_backend == "triton" and device.type != "cuda":
             raise ValueError("attention_backend triton needs a CUDA device")
+        if self.adapter_loader == "device" and device.type != "cuda":
+            raise ValueError("adapter_loader device needs a CUDA device (it converts adapters on the GPU)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -161,6 +165,14 @@ class EngineConfig:
         if self.adapter_loader_workers:
             return self.adapter_loader_workers
         return max(2, min(8, (os.cpu_count() or 1) // 2))
+
+    def reader_threads(self) -> int:
+        """The device loader's reading threads: `adapter_loader_workers`, or the cores, 2 to 16. On a 16-core
+        H100 host 16 threads read and uploaded a 153 MiB adapter file in 6.8 ms, 8 in 8.1 ms
+        (bench/adapter_upload_paths.py; bench/RESULTS-gpu.md, stop 34)."""
+        if self.adapter_loader_workers:
+            return self.adapter_loader_workers
+        return max(2, min(16, os.cpu_count() or 1))
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -66,6 +66,7 @@ def _engine(
     lora_gemm: str = "on",
     prefix_caching: str = "off",
     fold_prompt_tokens: int | None = None,
+    adapter_loader: str = "auto",
 ) -> LLMEngine:
     # Prefix caching off unless asked: these tests share prompts, and a cached start runs the rest of a prompt
     # in the decode graph (or eagerly) instead of in the prefill graph they test.
@@ -81,6 +82,7 @@ def _engine(
         enforce_eager=eager,
         lora_gemm=lora_gemm,
         prefix_caching=prefix_caching,
+        adapter_loader=adapter_loader,
     )
     if fold_prompt_tokens is not None:  # else the engine's default
         config = dataclasses.replace(config, fold_prompt_tokens=fold_prompt_tokens)
@@ -162,6 +164,30 @@ def test_hot_swap_under_graphs_serves_new_weights(
     want = _generate(eager, requests, tokens=12)
     got = _generate(graphed, requests, tokens=12)
     assert got == want and got != before
+
+
+def test_adapters_read_by_the_device_loader_serve_as_the_loader_processes_do(
+    model_dir: Path, adapter_dirs: dict[str, Path]
+) -> None:
+    """The device loader (threads read the file, the GPU converts and places it) against the default loader
+    processes, eager engines: the same tokens from every adapter, before and after a hot swap."""
+    processes = _engine(model_dir, eager=True, adapter_loader="process")
+    device = _engine(model_dir, eager=True, adapter_loader="device")
+    try:
+        pair = (processes, device)
+        for e in pair:
+            for name in ADAPTERS:
+                e.load_adapter(name, str(adapter_dirs[name]), wait=True)
+        requests: list[tuple[list[int], str | None]] = list(zip(_prompts(device, len(ADAPTERS)), ADAPTERS, strict=True))
+        assert _generate(device, requests, tokens=8) == _generate(processes, requests, tokens=8)
+        for e in pair:
+            e.load_adapter("swapped", str(adapter_dirs["r16"]), wait=True)
+            e.load_adapter("swapped", str(adapter_dirs["r16-v2"]), wait=True)
+        swapped: list[tuple[list[int], str | None]] = [(p, "swapped") for p in _prompts(device, 2)]
+        assert _generate(device, swapped, tokens=8) == _generate(processes, swapped, tokens=8)
+    finally:
+        for e in pair:
+            e.stop()
 
 
 def test_bf16_graphs_run_and_agree_mostly(model_dir: Path, adapter_dirs: dict[str, Path]) -> None:

@@ -59,3 +59,38 @@ def test_a_packed_fill_turns_b_rank_major_on_the_gpu(tmp_path: Path) -> None:
         assert torch.count_nonzero(stacks.b[(layer, module)][0, :, 4:]) == 0
     for group_b in stacks.group_b.values():
         torch.testing.assert_close(group_b[0], group_b[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("file_dtype", [torch.float32, torch.bfloat16])
+def test_the_device_loader_gives_the_image_the_thread_loader_packs(file_dtype: torch.dtype, tmp_path: Path) -> None:
+    """Read by threads into page-locked chunks, copied to the GPU a chunk at a time, placed and converted there
+    and copied back: the host image must be, bit for bit, what the host packs; a non-finite value fails it."""
+    from safetensors.torch import load_file, save_file
+
+    from engine.adapter_device_loader import DeviceLoader
+    from engine.adapter_loader import ThreadLoader
+    from engine.adapters import WEIGHTS_FILE, AdapterError
+    from engine.pinned_arena import PinnedArena
+
+    stacks = LoRAStacks(TINY, 2, 8, torch.bfloat16, torch.device("cuda"))
+    assert stacks.layout is not None
+    folder = write_adapter(tmp_path / "a", rank=4, modules=("q_proj", "k_proj", "v_proj", "o_proj", "down_proj"))
+    path = folder / WEIGHTS_FILE
+    save_file({k: v.to(file_dtype) for k, v in load_file(str(path)).items()}, str(path))
+    spec = read_spec(folder, TINY, 8)
+    arena = PinnedArena(4 << 20, page_bytes=4096)
+    threads = ThreadLoader(torch.bfloat16, stacks.layout)
+    loader = DeviceLoader(threads, torch.bfloat16, stacks.layout, torch.device("cuda"), arena, 4, 4096, 3)
+    try:
+        got = loader.submit(spec).result(60)
+        want = load_adapter(spec, torch.bfloat16, pin=True, layout=stacks.layout)
+        assert got.packed is not None and want.packed is not None and arena.holds(got.packed)
+        torch.testing.assert_close(got.packed, want.packed, rtol=0, atol=0)
+        tensors = load_file(str(path))
+        tensors[next(iter(tensors))][0, 0] = float("nan")
+        save_file(tensors, str(path))
+        with pytest.raises(AdapterError, match="NaN or infinite"):
+            loader.submit(spec).result(60)
+    finally:
+        loader.close()
+        arena.close()

@@ -1,0 +1,236 @@
+"""Adapter loads read by threads of the engine process and converted on the GPU (`DeviceLoader`).
+
+Loader processes (`adapter_loader.ProcessLoader`) pack an adapter's slot image on the host: each part maps the
+file, parses its header, converts to the engine's dtype and checks the values, and the image then goes to the
+GPU in a slot fill. At Llama-7B dims (32 layers, rank 16 on all seven projections, an fp32 file of 153 MiB)
+that took 14.5 ms on an H100 host, where reading the file's bytes as stored by 16 threads into page-locked
+memory, each share copied to the GPU as soon as it was read, and converting and checking there took 0.47x
+of it (bench/adapter_upload_paths.py; bench/RESULTS-gpu.md, stop 34). A hot swap waits for its load.
+
+`DeviceLoader` loads so:
+1. the weights file's header is read (`stored_tensors`: safetensors parses and validates it);
+2. `readers` threads `os.preadv` the data, a chunk at a time, into a ring of page-locked chunks, and each
+   chunk is copied to the GPU on the loader's stream as soon as it is read;
+3. one multi-tensor copy places every tensor in a device image in slot layout, converted to the engine's
+   dtype (`pack_layers`), and one reduction checks that image finite;
+4. the image is copied back into host memory (an extent of the shared arena): the host image is what the
+   pool's host tier holds and slot fills read, as with the other loaders.
+Only the reads and the copies' launches run on the engine process's threads; the GIL is released while a
+read or a device wait blocks. Registration checks (`check`), and loads of files whose tensors are not
+aligned to their dtype (the format does not promise it), go to the `fallback` loader.
+
+Without CUDA the same steps run on the CPU, unpinned and synchronous (the unit tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
+
+import torch
+
+from engine.adapter_loader import AdapterLoader
+from engine.adapters import (
+    WEIGHTS_FILE,
+    AdapterError,
+    AdapterSpec,
+    StoredTensor,
+    check_registered,
+    layer_of,
+    non_finite,
+    pair_tensors,
+    stored_tensors,
+)
+from engine.config import ModelArch
+from engine.lora import AdapterWeights, SlotLayout, image_groups, pack_layers
+from engine.pinned_arena import PinnedArena
+
+CHUNK_BYTES = 4 << 20  # one read and one copy to the device
+CHUNKS = 16  # page-locked chunks in the ring: the reads run ahead of the copies by this much
+
+
+class DeviceLoader:
+    """Reads adapter files with threads into page-locked chunks, and converts, places and checks them on the
+    device (see the module's docstring). Loads run one at a time, each over all the readers."""
+
+    def __init__(
+        self,
+        fallback: AdapterLoader,
+        dtype: torch.dtype,
+        layout: SlotLayout,
+        device: torch.device,
+        arena: PinnedArena | None = None,
+        readers: int = 16,
+        chunk_bytes: int = CHUNK_BYTES,
+        chunks: int = CHUNKS,
+    ) -> None:
+        """`fallback` checks registrations and loads what this loader cannot (misaligned tensors); `arena`,
+        if given, holds the host images (beyond it, each is pinned alone, on CUDA)."""
+        self._fallback, self._dtype, self._layout, self._device, self._arena = fallback, dtype, layout, device, arena
+        self._cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if self._cuda else None
+        self._chunk_bytes = chunk_bytes
+        # The ring: taken one page-locked buffer at start-up (a cudaHostAlloc stalls the device's streams).
+        self._staging = torch.empty(chunks * chunk_bytes, dtype=torch.uint8, pin_memory=self._cuda)
+        self._staging_bytes = self._staging.numpy().data  # what os.preadv reads into
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for index in range(chunks):
+            self._free.put(index)
+        # Per chunk: its last copy to the device, which must have read it before the next read overwrites it.
+        self._copied: list[torch.cuda.Event | None] = [None] * chunks
+        self._loads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-device-load")
+        self._readers = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="adapter-read")
+        self._closed = threading.Event()
+
+    def check(self, path: Path, arch: ModelArch, max_rank: int) -> AdapterSpec:
+        return self._fallback.check(path, arch, max_rank)
+
+    def submit(self, spec: AdapterSpec) -> Future[AdapterWeights]:
+        outer: Future[AdapterWeights] = Future()
+        inner = self._loads.submit(self._load, spec)
+        outer.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
+
+        def settle(done: Future[AdapterWeights | None]) -> None:
+            if done.cancelled():
+                outer.cancel()
+            elif done.exception() is not None:
+                if outer.set_running_or_notify_cancel():
+                    outer.set_exception(done.exception())  # type: ignore[arg-type]
+            elif (weights := done.result()) is not None:
+                if outer.set_running_or_notify_cancel():
+                    outer.set_result(weights)
+                else:
+                    self._give_back(weights)
+            else:  # not this loader's to load: the fallback's result becomes this load's
+                self._chain(self._fallback.submit(spec), outer)
+
+        inner.add_done_callback(settle)
+        return outer
+
+    @staticmethod
+    def _chain(source: Future[AdapterWeights], outer: Future[AdapterWeights]) -> None:
+        outer.add_done_callback(lambda f: source.cancel() if f.cancelled() else None)
+
+        def done(f: Future[AdapterWeights]) -> None:
+            if f.cancelled():
+                outer.cancel()
+            elif outer.set_running_or_notify_cancel():
+                exc = f.exception()
+                if exc is not None:
+                    outer.set_exception(exc)
+                else:
+                    outer.set_result(f.result())
+
+        source.add_done_callback(done)
+
+    def _give_back(self, weights: AdapterWeights) -> None:
+        if weights.packed is not None and self._arena is not None:
+            self._arena.give_back(weights.packed)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._loads.shutdown(wait=False, cancel_futures=True)
+        self._readers.shutdown(wait=False, cancel_futures=True)
+        self._fallback.close()
+
+    # -- one load (on the load thread) ------------------------------------------------------------------
+
+    def _load(self, spec: AdapterSpec) -> AdapterWeights | None:
+        """`spec`'s host image, or None when its file is the fallback's to load."""
+        folder = spec.path
+        try:
+            handle = (folder / WEIGHTS_FILE).open("rb")
+        except OSError as exc:
+            raise AdapterError(f"{folder}: cannot load {WEIGHTS_FILE} ({exc})") from exc
+        with handle, self._on_stream():
+            try:
+                stored = stored_tensors(folder, handle)
+            except AdapterError:
+                raise
+            except Exception as exc:  # SafetensorError: a header that no longer parses
+                raise AdapterError(f"{folder}: cannot load {WEIGHTS_FILE} ({exc})") from exc
+            if not stored or any(t.offset % t.dtype.itemsize for t in stored):
+                return None
+            for t in stored:
+                layer_of(folder, t.name, self._layout.num_layers)  # AdapterError for a name or layer we lack
+            start = stored[0].offset
+            raw = torch.empty(os.fstat(handle.fileno()).st_size - start, dtype=torch.uint8, device=self._device)
+            self._read(handle.fileno(), folder, start, raw)
+            return self._place(spec, stored, start, raw)
+
+    def _on_stream(self) -> contextlib.AbstractContextManager[object]:
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+
+    def _read(self, fd: int, folder: Path, start: int, raw: torch.Tensor) -> None:
+        """The file's bytes from `start` on, into `raw` (on the device), by the readers a chunk each."""
+        size = raw.numel()
+        chunks = [(lo, min(size, lo + self._chunk_bytes)) for lo in range(0, size, self._chunk_bytes)]
+        reads = [self._readers.submit(self._read_chunk, fd, folder, start, lo, hi, raw) for lo, hi in chunks]
+        # Every read ends before the load does, failed or not: they write into `raw`, and their copies are
+        # queued on the stream the load waits for.
+        wait(reads)
+        for read in reads:
+            read.result()
+
+    def _read_chunk(self, fd: int, folder: Path, start: int, lo: int, hi: int, raw: torch.Tensor) -> None:
+        if self._closed.is_set():
+            raise AdapterError(f"{folder}: the engine is stopping")
+        index = self._free.get()
+        try:
+            copied = self._copied[index]
+            if copied is not None:
+                copied.synchronize()  # (releases the GIL) its last copy has read it
+            base = index * self._chunk_bytes
+            view = self._staging_bytes[base : base + hi - lo]
+            done = 0
+            while done < hi - lo:
+                try:
+                    got = os.preadv(fd, [view[done:]], start + lo + done)
+                except OSError as exc:
+                    raise AdapterError(f"{folder}: cannot read {WEIGHTS_FILE} ({exc})") from exc
+                if got == 0:
+                    raise AdapterError(f"{folder}: {WEIGHTS_FILE} ends before the tensors its header lists")
+                done += got
+            with self._on_stream():
+                raw[lo:hi].copy_(self._staging[base : base + hi - lo], non_blocking=self._cuda)
+                if self._stream is not None:
+                    event = torch.cuda.Event()
+                    event.record(self._stream)
+                    self._copied[index] = event
+        finally:
+            self._free.put(index)
+
+    def _place(self, spec: AdapterSpec, stored: list[StoredTensor], start: int, raw: torch.Tensor) -> AdapterWeights:
+        """The image placed and converted on the device from `raw`, checked finite and copied to host memory."""
+        folder = spec.path
+        views = {
+            t.name: raw[t.offset - start : t.offset - start + t.nbytes].view(t.dtype).view(t.shape) for t in stored
+        }
+        tensors = pair_tensors(folder, views)
+        check_registered(spec, tensors)
+        groups = image_groups(spec.modules)
+        numel = self._layout.image_size(groups, spec.rank)
+        image = torch.empty(numel, dtype=self._dtype, device=self._device)
+        try:
+            pack_layers(self._layout, image, groups, spec.rank, tensors, range(self._layout.num_layers))
+        except RuntimeError as exc:  # a shape that changed since registration
+            raise AdapterError(f"{folder}: {WEIGHTS_FILE} no longer fits its registered shapes ({exc})") from exc
+        low, high = torch.aminmax(image)
+        finite = (torch.isfinite(low) & torch.isfinite(high)).to("cpu", non_blocking=self._cuda)
+        host = self._arena.take(numel, self._dtype) if self._arena is not None else None
+        if host is None:
+            host = torch.empty(numel, dtype=self._dtype, pin_memory=self._cuda)
+        host.copy_(image, non_blocking=self._cuda)
+        if self._stream is not None:
+            self._stream.synchronize()  # (releases the GIL) the check's flag and the host image are written
+        weights = AdapterWeights(spec.rank, spec.scaling, spec.modules, {}, host, groups)
+        if not bool(finite):
+            self._give_back(weights)
+            raise AdapterError(
+                f"{folder}: {non_finite(tensors, self._dtype)} contains NaN or infinite values (in {self._dtype})"
+            )
+        return weights

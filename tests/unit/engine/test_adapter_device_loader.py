@@ -1,0 +1,247 @@
+"""DeviceLoader: reads adapter files by threads, a chunk at a time, and places and checks them where the engine
+runs; it gives exactly the image the in-process thread loader packs, and the same errors. On this CPU machine
+the device is the CPU (the copies are synchronous); tests/gpu/test_lora_gpu.py runs it on CUDA."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.adapter_device_loader import DeviceLoader
+from engine.adapter_loader import ThreadLoader
+from engine.adapters import WEIGHTS_FILE, AdapterError, AdapterSpec, read_spec
+from engine.lora import AdapterWeights, LoRAStacks, SlotLayout
+from engine.pinned_arena import PinnedArena
+from engine.pool import AdapterPool, AdapterState
+from tests.unit.engine.test_pool import _poison
+from tests.unit.engine.tiny import TINY, write_adapter
+
+ALL7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def layout() -> SlotLayout:
+    stacks = LoRAStacks(TINY, slots=2, max_rank=8, dtype=torch.bfloat16, device=torch.device("cpu"), fused=True)
+    assert stacks.layout is not None
+    return stacks.layout
+
+
+@pytest.fixture
+def arena() -> Iterator[PinnedArena]:
+    arena = PinnedArena(64 * 4096, pin=False, page_bytes=4096)
+    yield arena
+    arena.close()
+
+
+@pytest.fixture
+def loader(layout: SlotLayout, arena: PinnedArena) -> Iterator[DeviceLoader]:
+    # Chunks far smaller than a file, and a ring of 3: every load reuses chunks, and its reads run side by side.
+    loader = DeviceLoader(
+        ThreadLoader(torch.bfloat16, layout),
+        torch.bfloat16,
+        layout,
+        torch.device("cpu"),
+        arena,
+        readers=4,
+        chunk_bytes=1000,
+        chunks=3,
+    )
+    yield loader
+    loader.close()
+
+
+def _thread_load(spec: AdapterSpec, layout: SlotLayout) -> AdapterWeights:
+    threads = ThreadLoader(torch.bfloat16, layout)
+    try:
+        return threads.submit(spec).result(30)
+    finally:
+        threads.close()
+
+
+def _same_image(got: AdapterWeights, want: AdapterWeights) -> None:
+    assert (got.rank, got.scaling, got.modules, got.packed_groups) == (
+        want.rank,
+        want.scaling,
+        want.modules,
+        want.packed_groups,
+    )
+    assert got.packed is not None and want.packed is not None
+    torch.testing.assert_close(got.packed, want.packed, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("modules", "dtype"),
+    [(ALL7, torch.float32), (("q_proj", "v_proj"), torch.float32), (ALL7, torch.bfloat16), (ALL7, torch.float16)],
+)
+def test_a_load_gives_the_image_the_thread_loader_packs(
+    modules: tuple[str, ...], dtype: torch.dtype, loader: DeviceLoader, layout: SlotLayout, tmp_path: Path
+) -> None:
+    folder = write_adapter(tmp_path / "a", rank=4, modules=modules, seed=5)
+    if dtype != torch.float32:  # files as stored in other dtypes: converted where the image is placed
+        path = folder / WEIGHTS_FILE
+        save_file({k: v.to(dtype) for k, v in load_file(str(path)).items()}, str(path))
+    spec = read_spec(folder, TINY, 8)
+    got = loader.submit(spec).result(30)
+    _same_image(got, _thread_load(spec, layout))
+
+
+def test_the_host_image_is_an_extent_of_the_arena(loader: DeviceLoader, arena: PinnedArena, tmp_path: Path) -> None:
+    spec = read_spec(write_adapter(tmp_path / "a", rank=4, modules=ALL7), TINY, 8)
+    free = arena.free_pages
+    got = loader.submit(spec).result(30)
+    assert got.packed is not None and arena.holds(got.packed)
+    assert arena.free_pages < free
+
+
+def test_a_load_with_no_arena_room_gets_an_image_of_its_own(layout: SlotLayout, tmp_path: Path) -> None:
+    tiny_arena = PinnedArena(4096, pin=False, page_bytes=4096)  # one page: no ALL7 image fits
+    loader = DeviceLoader(ThreadLoader(torch.bfloat16, layout), torch.bfloat16, layout, torch.device("cpu"), tiny_arena)
+    try:
+        spec = read_spec(write_adapter(tmp_path / "a", rank=4, modules=ALL7), TINY, 8)
+        got = loader.submit(spec).result(30)
+        assert got.packed is not None and not tiny_arena.holds(got.packed)
+        _same_image(got, _thread_load(spec, layout))
+    finally:
+        loader.close()
+        tiny_arena.close()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_file_with_non_finite_values_fails_and_gives_its_extent_back(
+    value: float, loader: DeviceLoader, arena: PinnedArena, tmp_path: Path
+) -> None:
+    folder = write_adapter(tmp_path / "a", rank=4, modules=ALL7)
+    spec = read_spec(folder, TINY, 8)
+    _poison(folder, value)
+    free = arena.free_pages
+    with pytest.raises(AdapterError, match="NaN or infinite"):
+        loader.submit(spec).result(30)
+    assert arena.free_pages == free
+
+
+def test_a_value_that_overflows_the_engine_dtype_fails(loader: DeviceLoader, tmp_path: Path) -> None:
+    folder = write_adapter(tmp_path / "a", rank=4)
+    spec = read_spec(folder, TINY, 8)
+    _poison(folder, 3.4e38)  # finite in the file's float32, infinite in bfloat16 (largest finite: 3.39e38)
+    with pytest.raises(AdapterError, match="NaN or infinite"):
+        loader.submit(spec).result(30)
+
+
+def test_a_file_rewritten_at_another_rank_since_its_check_fails(loader: DeviceLoader, tmp_path: Path) -> None:
+    spec = read_spec(write_adapter(tmp_path / "a", rank=4), TINY, 8)
+    write_adapter(tmp_path / "a", rank=2)
+    with pytest.raises(AdapterError, match="changed since it was registered"):
+        loader.submit(spec).result(30)
+
+
+def test_a_file_rewritten_with_other_projections_since_its_check_fails(loader: DeviceLoader, tmp_path: Path) -> None:
+    spec = read_spec(write_adapter(tmp_path / "a", rank=4, modules=("q_proj",)), TINY, 8)
+    write_adapter(tmp_path / "a", rank=4, modules=("q_proj", "down_proj"))
+    with pytest.raises(AdapterError, match="changed since it was registered"):
+        loader.submit(spec).result(30)
+
+
+def test_a_truncated_file_fails_with_an_adapter_error(loader: DeviceLoader, tmp_path: Path) -> None:
+    folder = write_adapter(tmp_path / "a", rank=4, modules=ALL7)
+    spec = read_spec(folder, TINY, 8)
+    path = folder / WEIGHTS_FILE
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(AdapterError, match=WEIGHTS_FILE):
+        loader.submit(spec).result(30)
+
+
+def test_a_missing_file_fails_with_an_adapter_error(loader: DeviceLoader, tmp_path: Path) -> None:
+    folder = write_adapter(tmp_path / "a", rank=4)
+    spec = read_spec(folder, TINY, 8)
+    (folder / WEIGHTS_FILE).unlink()
+    with pytest.raises(AdapterError, match="cannot load"):
+        loader.submit(spec).result(30)
+
+
+def _misaligned(folder: Path) -> None:
+    """Rewrite the weights file with a header two bytes longer than the writer pads it to: its float32 tensors
+    then start at offsets that are not multiples of 4 (valid safetensors; the format does not promise
+    alignment)."""
+    path = folder / WEIGHTS_FILE
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.dumps(json.loads(data[8 : 8 + length])).encode()
+    header += b" " * ((2 - (8 + len(header))) % 4)
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data[8 + length :])
+
+
+def test_a_file_of_misaligned_tensors_is_loaded_by_the_fallback(
+    loader: DeviceLoader, layout: SlotLayout, tmp_path: Path
+) -> None:
+    folder = write_adapter(tmp_path / "a", rank=4, modules=ALL7, seed=8)
+    _misaligned(folder)
+    spec = read_spec(folder, TINY, 8)
+    fallback = loader._fallback
+    submitted: list[AdapterSpec] = []
+    submit = fallback.submit
+    fallback.submit = lambda s: submitted.append(s) or submit(s)  # type: ignore[method-assign]
+    got = loader.submit(spec).result(30)
+    assert submitted == [spec]
+    _same_image(got, _thread_load(spec, layout))
+    aligned = read_spec(write_adapter(tmp_path / "b", rank=4, modules=ALL7, seed=8), TINY, 8)
+    loader.submit(aligned).result(30)
+    assert submitted == [spec]  # an aligned file is read by the loader's own threads
+
+
+def test_checks_are_the_fallbacks(loader: DeviceLoader, tmp_path: Path) -> None:
+    folder = write_adapter(tmp_path / "a", rank=4)
+    assert loader.check(folder, TINY, 8) == read_spec(folder, TINY, 8)
+    with pytest.raises(AdapterError, match="exceeds"):
+        loader.check(folder, TINY, 2)
+
+
+def test_a_load_cancelled_while_queued_never_runs_and_takes_no_extent(
+    loader: DeviceLoader, arena: PinnedArena, tmp_path: Path
+) -> None:
+    specs = [read_spec(write_adapter(tmp_path / n, rank=4, modules=ALL7, seed=i), TINY, 8) for i, n in enumerate("ab")]
+    free = arena.free_pages
+    first: Future[AdapterWeights] = loader.submit(specs[0])
+    second = loader.submit(specs[1])  # queued behind the first: loads run one at a time
+    assert second.cancel()
+    image = first.result(30).packed
+    assert image is not None
+    assert arena.free_pages == free - arena._pages(image.numel() * image.element_size())
+
+
+def test_a_result_nobody_takes_goes_back_to_the_arena(loader: DeviceLoader, arena: PinnedArena, tmp_path: Path) -> None:
+    specs = [read_spec(write_adapter(tmp_path / n, rank=4, modules=ALL7, seed=i), TINY, 8) for i, n in enumerate("ab")]
+    free = arena.free_pages
+    futures = [loader.submit(spec) for spec in specs]
+    # Cancel the second: whether it had started or not, its image must not stay taken.
+    futures[1].cancel()
+    kept = futures[0].result(30).packed
+    assert kept is not None
+    loader._loads.submit(lambda: None).result(30)  # every load has ended
+    assert arena.free_pages == free - arena._pages(kept.numel() * kept.element_size())
+
+
+def test_a_pool_loads_and_hot_swaps_through_it(layout: SlotLayout, arena: PinnedArena, tmp_path: Path) -> None:
+    stacks = LoRAStacks(TINY, slots=2, max_rank=8, dtype=torch.bfloat16, device=torch.device("cpu"), fused=True)
+    loader = DeviceLoader(
+        ThreadLoader(torch.bfloat16, stacks.layout), torch.bfloat16, layout, torch.device("cpu"), arena, readers=2
+    )
+    pool = AdapterPool(TINY, stacks, torch.bfloat16, host_capacity=4, loader=loader, arena=arena)
+    try:
+        v1 = pool.register("a", write_adapter(tmp_path / "v1", rank=4, modules=ALL7, seed=1))
+        pool.wait_loaded(v1, 30)
+        assert v1.state is AdapterState.HOST and pool.acquire(v1) is not None
+        v2 = pool.register("a", write_adapter(tmp_path / "v2", rank=8, modules=ALL7, seed=2))
+        pool.wait_loaded(v2, 30)
+        assert pool.lookup("a") is v2 and v2.weights is not None
+        _same_image(v2.weights, _thread_load(v2.spec, layout))
+        pool.release(v1, tokens=1)
+        assert v1.weights is None  # retired and idle: dropped, its extent back in the arena
+    finally:
+        pool.close()
