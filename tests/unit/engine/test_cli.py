@@ -55,6 +55,20 @@ def test_adapter_loader_workers_flag(monkeypatch: pytest.MonkeyPatch) -> None:
             config_from(parser.parse_args(["--adapter-loader-workers", bad])).validate()
 
 
+def test_adapter_loader_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = build_parser()
+    assert config_from(parser.parse_args([])).adapter_loader == "auto"
+    with pytest.raises(ValueError, match="adapter_loader must be auto, thread, process or device"):
+        config_from(parser.parse_args(["--adapter-loader", "gpu"])).validate()
+    with pytest.raises(ValueError, match="adapter_loader device needs a CUDA device"):
+        config_from(parser.parse_args(["--adapter-loader", "device", "--device", "cpu"])).validate()
+    device = config_from(parser.parse_args(["--adapter-loader", "device"]))
+    for cores, readers in ((2, 2), (8, 8), (16, 16), (128, 16)):  # the device loader's threads: the cores, 2 to 16
+        monkeypatch.setattr("os.cpu_count", lambda cores=cores: cores)
+        assert device.reader_threads() == readers
+    assert config_from(parser.parse_args(["--adapter-loader-workers", "5"])).reader_threads() == 5
+
+
 def test_decode_attention_flag() -> None:
     parser = build_parser()
     assert config_from(parser.parse_args([])).attention_backend == "auto"
