@@ -5,10 +5,11 @@
 The step loop is stood in for by a loop of short torch calls on the main thread, about what a GPU engine's
 Python step loop does between graph replays. Each round runs it idle, then while `--adapters`
 SmolLM2-135M-shaped adapters (rank 16 on all seven projections, fp32 files of ~20 MB) load through the
-engine's `ThreadLoader`, its `ProcessLoader` handing results back, and its `ProcessLoader` writing into a
-shared arena (a GPU engine's default), packed into the slot layout like a GPU engine's loads. It prints the
-longest and p99 gap between loop iterations in each phase; the ratios in the summary compare phases of the
-same rounds.
+engine's `ThreadLoader`, its `ProcessLoader` handing results back, its `ProcessLoader` writing into a
+shared arena (a GPU engine's default), and its `DeviceLoader` (threads of this process read the files, the GPU
+converts and places them; without a GPU the CPU does), packed into the slot layout like a GPU engine's loads.
+It prints the longest and p99 gap between loop iterations in each phase; the ratios in the summary compare
+phases of the same rounds.
 
 Then the time of one load on its own (what a hot swap waits for), into the shared arena: split over
 `--workers` loader processes by layers (the engine's way) against one process doing the whole adapter,
@@ -48,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from bench.percentiles import percentile  # (not from gateway_rest: it imports grpc)
+from engine.adapter_device_loader import DeviceLoader
 from engine.adapter_loader import AdapterLoader, ProcessLoader, ThreadLoader, _started, _worker_init, fill_layers
 from engine.adapters import _mapped_layers, pair_tensors, read_spec
 from engine.config import EngineConfig, ModelArch
@@ -99,12 +101,22 @@ def main() -> None:
         report_dispatch(args, split_loads_by_queue(args, tmp))
         return
     layout = LoRAStacks(SMOLLM2, 1, 16, torch.bfloat16, torch.device("cpu"), fused=True).layout
+    assert layout is not None
     # The arena is page-locked only where a GPU engine would pin it.
     arena = PinnedArena(512 << 20, pin=torch.cuda.is_available())
     loaders: dict[str, AdapterLoader] = {
         "threads": ThreadLoader(torch.bfloat16, layout),
         "processes": ProcessLoader(torch.bfloat16, layout),
         "shared": ProcessLoader(torch.bfloat16, layout, args.workers, arena),
+        # Threads of this process read the files; the GPU (or, without one, the CPU) converts and places them.
+        "device": DeviceLoader(
+            ThreadLoader(torch.bfloat16, layout),
+            torch.bfloat16,
+            layout,
+            torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+            arena,
+            EngineConfig().reader_threads(),
+        ),
     }
     phases = ("idle", *loaders)
     seed = 0
@@ -162,7 +174,7 @@ def main() -> None:
     ratios = ", ".join(
         f"{phase}/threads {med(worst[phase]) / med(worst['threads']):.2f}x "
         f"(p99 {med(p99s[phase]) / med(p99s['threads']):.2f}x)"
-        for phase in ("processes", "shared")
+        for phase in ("processes", "shared", "device")
     )
     print(
         f"step-loop stall while {args.adapters} adapters load (median of {args.rounds} rounds): longest gap {longest}"

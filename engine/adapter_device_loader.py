@@ -14,7 +14,9 @@ of it (bench/adapter_upload_paths.py; bench/RESULTS-gpu.md, stop 34). A hot swap
 3. one multi-tensor copy places every tensor in a device image in slot layout, converted to the engine's
    dtype (`pack_layers`), and one reduction checks that image finite;
 4. the image is copied back into host memory (an extent of the shared arena): the host image is what the
-   pool's host tier holds and slot fills read, as with the other loaders.
+   pool's host tier holds and slot fills read, as with the other loaders. The device image comes back beside
+   it, and the version's first fill, if it comes soon (a hot swap's, a waiting request's), copies from it
+   device to device instead of from the host.
 Only the reads and the copies' launches run on the engine process's threads; the GIL is released while a
 read or a device wait blocks. Registration checks (`check`), and loads of files whose tensors are not
 aligned to their dtype (the format does not promise it), go to the `fallback` loader.
@@ -85,6 +87,10 @@ class DeviceLoader:
         self._loads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-device-load")
         self._readers = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="adapter-read")
         self._closed = threading.Event()
+        # The image on the device comes back beside the host one, for the version's first slot fill (the pool
+        # keeps it only for a fill expected soon: `AdapterPool._drop_device_image`); bench/engine_gpu_e2e.py
+        # turns it off to compare.
+        self.keep_device_image = True
 
     def check(self, path: Path, arch: ModelArch, max_rank: int) -> AdapterSpec:
         return self._fallback.check(path, arch, max_rank)
@@ -227,7 +233,9 @@ class DeviceLoader:
         host.copy_(image, non_blocking=self._cuda)
         if self._stream is not None:
             self._stream.synchronize()  # (releases the GIL) the check's flag and the host image are written
-        weights = AdapterWeights(spec.rank, spec.scaling, spec.modules, {}, host, groups)
+        weights = AdapterWeights(
+            spec.rank, spec.scaling, spec.modules, {}, host, groups, image if self.keep_device_image else None
+        )
         if not bool(finite):
             self._give_back(weights)
             raise AdapterError(

@@ -42,6 +42,10 @@ class AdapterWeights:
     # stack's max rank and turns B rank-major, as the stacks keep it.
     packed: torch.Tensor | None = None
     packed_groups: tuple[str, ...] = ()
+    # The same image on the GPU, as the device loader placed it there (`adapter_device_loader`): a slot fill
+    # copies from it instead of from `packed`, device to device. The pool keeps it for the version's first fill
+    # only (`AdapterPool._loaded`), and `nbytes` does not count it: it is not part of the host tier.
+    device_packed: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -312,7 +316,10 @@ class LoRAStacks:
         # rows (A, and B turned rank-major), zero the rest up to max rank. Groups the adapter leaves alone keep
         # stale weights behind a group rank of 0, which the kernels skip.
         assert adapter.packed is not None and self._staging is not None
-        self._staging[: adapter.packed.numel()].copy_(adapter.packed, non_blocking=True)
+        source = adapter.packed if adapter.device_packed is None else adapter.device_packed
+        self._staging[: source.numel()].copy_(source, non_blocking=True)
+        if source.is_cuda:  # its memory is not reused before this copy (on the side stream) has read it
+            source.record_stream(torch.cuda.current_stream(source.device))
         r = adapter.rank
         src = self._staged_views(adapter.packed_groups, r)
         dst, padding = self._slot_views(slot, adapter.packed_groups, r)

@@ -292,6 +292,7 @@ class AdapterPool:
         stops keeping it ahead of the others (`_trim_host`)."""
         with self._lock:
             version.wanted = False
+            self._drop_device_image(version)
 
     def acquire(self, version: AdapterVersion) -> int | None:
         """The slot holding `version` (loading it into one, evicting an idle adapter if needed), or None: every
@@ -356,6 +357,9 @@ class AdapterPool:
                     continue
                 self._unclaimed.add(version)
                 filled += 1
+            for version in successors:  # not filled in their one pass: idle adapters now, like any other
+                if version.slot is None:
+                    self._drop_device_image(version)
             self.fills_ahead += filled
             return filled
 
@@ -408,6 +412,7 @@ class AdapterPool:
                     return
                 # A retired version still loads: requests admitted before the swap finish on it.
                 version.weights = future.result()
+                fill_soon = version.wanted  # a request waits for it
                 if staged:
                     del self._staged[version.name]
                     old = self._by_name.get(version.name)
@@ -415,7 +420,10 @@ class AdapterPool:
                     if old is not None:
                         if old.slot is not None:  # in use lately: its next request should find it in a slot
                             self._successors.append(version)
+                            fill_soon = True
                         self._retire(old)
+                if not fill_soon or version.retired:
+                    self._drop_device_image(version)
                 if version.retired and version.active == 0:
                     self._drop(version)  # replaced or unloaded while loading, and nobody waits for it
                 else:
@@ -446,6 +454,7 @@ class AdapterPool:
             raise
         self._slots[slot] = version
         version.slot = slot
+        self._drop_device_image(version)  # later fills read the host image
         self._eviction.on_insert(version.key, 1, time.monotonic())
         # The adapter this fill evicted (if any) is now a host copy the host tier may drop: trimmed only as
         # loads ended, an evicted one stayed beyond the capacity for as long as no load ended.
@@ -542,6 +551,15 @@ class AdapterPool:
             version.slot = None
         self._unclaimed.discard(version)
         self._discard_weights(version)
+
+    @staticmethod
+    def _drop_device_image(version: AdapterVersion) -> None:
+        """Let go of the GPU copy a device loader left beside `version`'s host image. It is kept only for a fill
+        expected soon (a request waits, or a hot swap's predecessor held a slot): that fill then copies device
+        to device instead of host to device, and GPU memory holds no image of an adapter nobody asked for."""
+        weights = version.weights
+        if weights is not None and weights.device_packed is not None:
+            version.weights = dataclasses.replace(weights, device_packed=None)
 
     def _discard_weights(self, version: AdapterVersion) -> None:
         version.wanted = False  # a request still waiting asks again (`ready`)

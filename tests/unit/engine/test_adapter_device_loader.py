@@ -4,8 +4,10 @@ the device is the CPU (the copies are synchronous); tests/gpu/test_lora_gpu.py r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -245,3 +247,113 @@ def test_a_pool_loads_and_hot_swaps_through_it(layout: SlotLayout, arena: Pinned
         assert v1.weights is None  # retired and idle: dropped, its extent back in the arena
     finally:
         pool.close()
+
+
+@pytest.fixture
+def device_pool(arena: PinnedArena) -> Iterator[tuple[AdapterPool, DeviceLoader, LoRAStacks]]:
+    stacks = LoRAStacks(TINY, slots=3, max_rank=8, dtype=torch.bfloat16, device=torch.device("cpu"), fused=True)
+    assert stacks.layout is not None
+    loader = DeviceLoader(
+        ThreadLoader(torch.bfloat16, stacks.layout), torch.bfloat16, stacks.layout, torch.device("cpu"), arena
+    )
+    pool = AdapterPool(TINY, stacks, torch.bfloat16, host_capacity=4, loader=loader, arena=arena)
+    yield pool, loader, stacks
+    pool.close()
+
+
+def _slot_weights(stacks: LoRAStacks, slot: int) -> list[torch.Tensor]:
+    return [t[:, slot] for table in (stacks._group_a_all, stacks._group_b_all) for t in table.values()]
+
+
+def test_a_load_nobody_waits_for_keeps_no_device_image(
+    device_pool: tuple[AdapterPool, DeviceLoader, LoRAStacks], tmp_path: Path
+) -> None:
+    pool, _, _ = device_pool
+    version = pool.register("a", write_adapter(tmp_path / "a", rank=4, modules=ALL7))
+    pool.wait_loaded(version, 30)
+    assert version.weights is not None and version.weights.packed is not None
+    assert version.weights.device_packed is None
+
+
+def test_a_waited_for_load_is_filled_from_its_device_image_once(
+    device_pool: tuple[AdapterPool, DeviceLoader, LoRAStacks], tmp_path: Path
+) -> None:
+    pool, loader, stacks = device_pool
+    gate = threading.Event()
+    loader._loads.submit(gate.wait)  # the load below queues behind it
+    version = pool.register("a", write_adapter(tmp_path / "a", rank=4, modules=ALL7, seed=4))
+    assert not pool.ready(version)  # a request waits for it
+    gate.set()
+    pool.wait_loaded(version, 30)
+    weights = version.weights
+    assert weights is not None and weights.device_packed is not None
+    slot = pool.acquire(version)
+    assert slot is not None
+    assert version.weights is not None and version.weights.device_packed is None  # later fills read the host
+    # The fill from the device image put in the slot what a fill from the host image puts.
+    stacks.set_lora(2, dataclasses.replace(weights, device_packed=None))
+    for got, want in zip(_slot_weights(stacks, slot), _slot_weights(stacks, 2), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_request_that_stops_waiting_lets_the_device_image_go(
+    device_pool: tuple[AdapterPool, DeviceLoader, LoRAStacks], tmp_path: Path
+) -> None:
+    pool, loader, _ = device_pool
+    gate = threading.Event()
+    loader._loads.submit(gate.wait)
+    version = pool.register("a", write_adapter(tmp_path / "a", rank=4))
+    pool.ready(version)
+    gate.set()
+    pool.wait_loaded(version, 30)
+    assert version.weights is not None and version.weights.device_packed is not None
+    pool.unwanted(version)
+    assert version.weights is not None and version.weights.device_packed is None
+
+
+def test_a_hot_swap_keeps_the_device_image_for_the_fill_ahead_of_its_first_request(
+    device_pool: tuple[AdapterPool, DeviceLoader, LoRAStacks], tmp_path: Path
+) -> None:
+    pool, _, _ = device_pool
+    old = pool.register("a", write_adapter(tmp_path / "v1", rank=4, modules=ALL7, seed=1))
+    pool.wait_loaded(old, 30)
+    assert pool.acquire(old) is not None
+    pool.release(old, tokens=1)
+    new = pool.register("a", write_adapter(tmp_path / "v2", rank=4, modules=ALL7, seed=2))
+    pool.wait_loaded(new, 30)
+    assert pool.lookup("a") is new
+    assert new.weights is not None and new.weights.device_packed is not None
+    assert pool.fill_ahead([], most=2) == 1 and new.slot is not None
+    assert new.weights is not None and new.weights.device_packed is None
+
+
+def test_without_keep_device_image_no_load_returns_one(
+    device_pool: tuple[AdapterPool, DeviceLoader, LoRAStacks], tmp_path: Path
+) -> None:
+    _, loader, _ = device_pool
+    spec = read_spec(write_adapter(tmp_path / "a", rank=4), TINY, 8)
+    assert loader.submit(spec).result(30).device_packed is not None
+    loader.keep_device_image = False
+    assert loader.submit(spec).result(30).device_packed is None
+
+
+def test_a_hot_swap_not_filled_in_its_pass_lets_the_device_image_go(
+    device_pool: tuple[AdapterPool, DeviceLoader, LoRAStacks], tmp_path: Path
+) -> None:
+    pool, _, _ = device_pool
+    old = pool.register("a", write_adapter(tmp_path / "v1", rank=4, seed=1))
+    busy = [pool.register(n, write_adapter(tmp_path / n, rank=4, seed=i)) for i, n in enumerate("bc")]
+    for version in (old, *busy):
+        pool.wait_loaded(version, 30)
+        assert pool.acquire(version) is not None  # every slot taken, and kept busy
+    pool.release(old, tokens=1)
+    new = pool.register("a", write_adapter(tmp_path / "v2", rank=4, seed=2))
+    pool.wait_loaded(new, 30)
+    assert new.weights is not None and new.weights.device_packed is not None
+    # Its predecessor is dropped at the switch (idle), so the pass finds its slot free: fill another name's into
+    # it first, then pass with no slot left.
+    filler = pool.register("d", write_adapter(tmp_path / "d", rank=4, seed=3))
+    pool.wait_loaded(filler, 30)
+    assert pool.acquire(filler) is not None
+    assert pool.fill_ahead([], most=2) == 0 and new.slot is None
+    assert new.weights is not None and new.weights.device_packed is None
