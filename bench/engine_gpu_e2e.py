@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from engine import kernels_gemm_lora
+from engine.adapter_device_loader import DeviceLoader
 from engine.adapter_loader import ProcessLoader
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -827,7 +828,8 @@ def main() -> None:
     ap.add_argument(
         "--loaders",
         default="process,thread",
-        help="adapter loaders to compare in sections d and f (process, thread, device)",
+        help="adapter loaders to compare in sections d and f (process, thread, device; device-host: the device "
+        "loader with no device image kept for first fills)",
     )
     ap.add_argument(
         "--switch-intervals",
@@ -933,6 +935,7 @@ def main() -> None:
         split = {
             "process": f", {resolved.loader_workers()} workers",
             "device": f", {resolved.reader_threads()} reading threads",
+            "device-host": f", {resolved.reader_threads()} reading threads, no device images",
         }.get(loader, "")
         LOADER = (
             f"{loader} loader, GIL switch {switch_ms or 5:g} ms{arena}{split}, prompts folded up to {fold}, "
@@ -941,12 +944,16 @@ def main() -> None:
         kernels_gemm_lora.MAX_BLOCK_M = row_tile  # read as the engine captures its graphs
         eng = b.engine(
             fold_prompt_tokens=int(fold),
-            adapter_loader=loader,
+            adapter_loader="device" if loader == "device-host" else loader,
             gil_switch_interval_ms=switch_ms,
             pinned_adapter_memory_mb=pinned_mb,
             adapter_loader_workers=workers,
             lora_gemm=gemm,
         )
+        if loader == "device-host":  # the device loader, its first fills from the host image as any other's
+            device_loader = eng.pool._loader
+            assert isinstance(device_loader, DeviceLoader)
+            device_loader.keep_device_image = False
         if {"d", "t"}.intersection(args.only):
             section_cold_start(b, eng, prompt)
         if "d" in args.only:

@@ -137,23 +137,47 @@ def pack_layers(
     their place in `image`, the whole image of `groups` at `rank`; members of a group that `tensors` lacks
     are zeroed. Returns the parts of `image` written: one contiguous span per group and matrix, so that
     loader processes can fill the layers of one image side by side and each check its own spans."""
-    dst: list[torch.Tensor] = []
-    src: list[torch.Tensor] = []
-    absent: list[torch.Tensor] = []
-    images = layout.images(image, groups, rank)
-    spans = [matrix[layers.start : layers.stop] for pair in images for matrix in pair]
-    for layer, module, a, b in member_places(layout, groups, images, layers):
-        pair = tensors.get((layer, module))
-        if pair is None:
-            absent += [a, b]
-        else:
-            dst += [a, b]
-            src += pair
-    if absent:
-        torch._foreach_zero_(absent)
-    if dst:
-        torch._foreach_copy_(dst, src)
-    return spans
+    copies = LayerCopies.of(layout, image, groups, rank, tensors, layers)
+    copies.run()
+    return copies.spans
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCopies:
+    """The copies that write layers of an adapter image (`pack_layers`), made once and run any number of times:
+    the device loader keeps them for files laid out alike, as the versions of one adapter are."""
+
+    dst: list[torch.Tensor]
+    src: list[torch.Tensor]
+    absent: list[torch.Tensor]  # members the adapter lacks: zeroed
+    spans: list[torch.Tensor]
+
+    @staticmethod
+    def of(
+        layout: SlotLayout,
+        image: torch.Tensor,
+        groups: tuple[str, ...],
+        rank: int,
+        tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+        layers: range,
+    ) -> LayerCopies:
+        copies = LayerCopies([], [], [], [])
+        images = layout.images(image, groups, rank)
+        copies.spans.extend(matrix[layers.start : layers.stop] for pair in images for matrix in pair)
+        for layer, module, a, b in member_places(layout, groups, images, layers):
+            pair = tensors.get((layer, module))
+            if pair is None:
+                copies.absent.extend((a, b))
+            else:
+                copies.dst.extend((a, b))
+                copies.src.extend(pair)
+        return copies
+
+    def run(self) -> None:
+        if self.absent:
+            torch._foreach_zero_(self.absent)
+        if self.dst:
+            torch._foreach_copy_(self.dst, self.src)
 
 
 class LoRAStacks:

@@ -357,3 +357,23 @@ def test_a_hot_swap_not_filled_in_its_pass_lets_the_device_image_go(
     assert pool.acquire(filler) is not None
     assert pool.fill_ahead([], most=2) == 0 and new.slot is None
     assert new.weights is not None and new.weights.device_packed is None
+
+
+def test_files_laid_out_alike_reuse_one_plan_and_each_gets_its_own_values(
+    loader: DeviceLoader, layout: SlotLayout, tmp_path: Path
+) -> None:
+    """The versions of one adapter (and adapters written alike) share the loader's device buffers and copies:
+    each load must still give its own file's image, and another layout must get buffers of its own."""
+    specs = [read_spec(write_adapter(tmp_path / f"v{i}", rank=4, modules=ALL7, seed=i), TINY, 8) for i in range(2)]
+    first = loader.submit(specs[0]).result(30)
+    plan = loader._plan
+    second = loader.submit(specs[1]).result(30)
+    assert loader._plan is plan
+    _same_image(first, _thread_load(specs[0], layout))
+    _same_image(second, _thread_load(specs[1], layout))
+    other = read_spec(write_adapter(tmp_path / "q", rank=2, modules=("q_proj",), seed=7), TINY, 8)
+    _same_image(loader.submit(other).result(30), _thread_load(other, layout))
+    assert loader._plan is not plan
+    # The device image handed out is the load's own: the next load does not overwrite it.
+    assert first.device_packed is not None and second.device_packed is not None
+    torch.testing.assert_close(first.device_packed, first.packed, rtol=0, atol=0)
