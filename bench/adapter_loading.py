@@ -53,7 +53,7 @@ from engine.adapter_device_loader import DeviceLoader
 from engine.adapter_loader import AdapterLoader, ProcessLoader, ThreadLoader, _started, _worker_init, fill_layers
 from engine.adapters import _mapped_layers, pair_tensors, read_spec
 from engine.config import EngineConfig, ModelArch
-from engine.lora import PROJECTION_GROUPS, LoRAStacks, SlotLayout, image_groups, pack_layers
+from engine.lora import PROJECTION_GROUPS, LayerCopies, LoRAStacks, SlotLayout, image_groups
 from engine.pinned_arena import PinnedArena
 from tests.unit.engine.tiny import write_adapter
 
@@ -309,7 +309,7 @@ def _pack_rank_major(
 
 def pack_b_layouts(tmp: Path, rounds: int) -> dict[str, list[float]]:
     """Seconds to pack one loader part (4 of 32 Llama-7B layers, rank 16, all seven projections, from the file's
-    memory map into bf16) with B out-major (`pack_layers`) and rank-major (`_pack_rank_major`), alternating."""
+    memory map into bf16) with B out-major (`LayerCopies`) and rank-major (`_pack_rank_major`), alternating."""
     arch = dataclasses.replace(LLAMA_7B_16, num_layers=32)
     folder = write_adapter(tmp / "pack", arch=arch, rank=16, alpha=16, modules=ALL7, seed=7)
     layout = LoRAStacks(arch, 1, 16, torch.bfloat16, torch.device("cpu"), fused=True).layout
@@ -319,7 +319,7 @@ def pack_b_layouts(tmp: Path, rounds: int) -> dict[str, list[float]]:
     layers = range(4, 8)
     tensors = pair_tensors(folder, _mapped_layers(folder, arch.num_layers, layers))
     packers: dict[str, Callable[[], object]] = {
-        "out-major": lambda: pack_layers(layout, image, groups, 16, tensors, layers),
+        "out-major": lambda: LayerCopies.of(layout, image, groups, 16, tensors, layers).run(),
         "rank-major": lambda: _pack_rank_major(layout, image, groups, 16, tensors, layers),
     }
     times: dict[str, list[float]] = {name: [] for name in packers}

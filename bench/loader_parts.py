@@ -50,7 +50,7 @@ from engine.adapters import (
     pair_tensors,
     read_spec,
 )
-from engine.lora import LoRAStacks, SlotLayout, image_groups, member_places, pack_layers
+from engine.lora import LayerCopies, LoRAStacks, SlotLayout, image_groups, member_places
 from engine.pinned_arena import PinnedArena, attach, map_arena
 from tests.unit.engine.tiny import write_adapter
 
@@ -99,11 +99,11 @@ def part(variant: str, layers: range) -> tuple[float, float]:
             tensors = pair_tensors(spec.path, _mapped_layers(spec.path, layout.num_layers, layers))
             if "each layer" in variant:
                 for layer in layers:
-                    spans = pack_layers(layout, image, groups, spec.rank, tensors, range(layer, layer + 1))
+                    spans = LayerCopies.of(layout, image, groups, spec.rank, tensors, range(layer, layer + 1)).run()
                     if not all(all_finite(span) for span in spans):
                         raise ValueError("not finite")
             else:
-                pack_layers(layout, image, groups, spec.rank, tensors, layers)
+                LayerCopies.of(layout, image, groups, spec.rank, tensors, layers).run()
     else:
         image = attach(_job.arena, 0, layout.image_size(groups, spec.rank), torch.float32)
         read_into(spec, layout, image, layers, check="checked after" if "after" in variant else variant)

@@ -18,7 +18,7 @@ from typing import BinaryIO
 import torch
 
 from engine.config import LORA_MODULES, ModelArch
-from engine.lora import AdapterWeights, SlotLayout, image_groups, pack_adapter, pack_layers
+from engine.lora import AdapterWeights, LayerCopies, SlotLayout, image_groups, pack_adapter
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -192,7 +192,7 @@ def load_layers_into(
         raise AdapterError(f"{spec.path}: cannot load {WEIGHTS_FILE} ({exc})") from exc
     check_registered(spec, tensors)
     try:
-        spans = pack_layers(layout, image, image_groups(spec.modules), spec.rank, tensors, layers)
+        spans = LayerCopies.of(layout, image, image_groups(spec.modules), spec.rank, tensors, layers).run()
     except RuntimeError as exc:  # a shape that changed since registration
         raise AdapterError(f"{spec.path}: {WEIGHTS_FILE} no longer fits its registered shapes ({exc})") from exc
     if not all(all_finite(span) for span in spans):

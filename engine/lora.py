@@ -108,7 +108,7 @@ def pack_adapter(layout: SlotLayout, adapter: AdapterWeights, dtype: torch.dtype
     groups = image_groups(adapter.modules)
     size = layout.image_size(groups, adapter.rank)
     buffer = torch.empty(size, dtype=dtype, pin_memory=pin)
-    pack_layers(layout, buffer, groups, adapter.rank, adapter.tensors, range(layout.num_layers))
+    LayerCopies.of(layout, buffer, groups, adapter.rank, adapter.tensors, range(layout.num_layers)).run()
     return AdapterWeights(adapter.rank, adapter.scaling, adapter.modules, {}, buffer, groups)
 
 
@@ -125,27 +125,12 @@ def member_places(
                 n0 += width
 
 
-def pack_layers(
-    layout: SlotLayout,
-    image: torch.Tensor,
-    groups: tuple[str, ...],
-    rank: int,
-    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
-    layers: range,
-) -> list[torch.Tensor]:
-    """Write the `layers` of an adapter image (`tensors`: (layer, module) -> (A, B), any float dtype) into
-    their place in `image`, the whole image of `groups` at `rank`; members of a group that `tensors` lacks
-    are zeroed. Returns the parts of `image` written: one contiguous span per group and matrix, so that
-    loader processes can fill the layers of one image side by side and each check its own spans."""
-    copies = LayerCopies.of(layout, image, groups, rank, tensors, layers)
-    copies.run()
-    return copies.spans
-
-
 @dataclass(frozen=True, slots=True)
 class LayerCopies:
-    """The copies that write layers of an adapter image (`pack_layers`), made once and run any number of times:
-    the device loader keeps them for files laid out alike, as the versions of one adapter are."""
+    """The copies that write the `layers` of an adapter image (`tensors`: (layer, module) -> (A, B), any float
+    dtype) into their place in `image`, the whole image of `groups` at `rank`; members of a group that
+    `tensors` lacks are zeroed. Made once (`of`), run any number of times: the device loader keeps them for files
+    laid out alike, as the versions of one adapter are."""
 
     dst: list[torch.Tensor]
     src: list[torch.Tensor]
@@ -173,11 +158,14 @@ class LayerCopies:
                 copies.src.extend(pair)
         return copies
 
-    def run(self) -> None:
+    def run(self) -> list[torch.Tensor]:
+        """Copy. Returns the parts of the image written (`spans`): one contiguous span per group and matrix, so
+        that loader processes can fill the layers of one image side by side and each check its own spans."""
         if self.absent:
             torch._foreach_zero_(self.absent)
         if self.dst:
             torch._foreach_copy_(self.dst, self.src)
+        return self.spans
 
 
 class LoRAStacks:
