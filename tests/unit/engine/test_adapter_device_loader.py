@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -377,3 +379,28 @@ def test_files_laid_out_alike_reuse_one_plan_and_each_gets_its_own_values(
     # The device image handed out is the load's own: the next load does not overwrite it.
     assert first.device_packed is not None and second.device_packed is not None
     torch.testing.assert_close(first.device_packed, first.packed, rtol=0, atol=0)
+
+
+def test_loads_cancelled_at_random_leave_no_extent_taken(
+    loader: DeviceLoader, arena: PinnedArena, tmp_path: Path
+) -> None:
+    """Loads of two layouts submitted together and cancelled at random points: every extent goes back, whether
+    a cancel came before its load started, while it ran or after it ended."""
+    rng = random.Random(5)
+    specs = [
+        read_spec(write_adapter(tmp_path / f"a{i}", rank=4, modules=ALL7 if i % 2 else ("q_proj",), seed=i), TINY, 8)
+        for i in range(6)
+    ]
+    free = arena.free_pages
+    for _ in range(3):
+        futures = [loader.submit(rng.choice(specs)) for _ in range(12)]
+        for future in futures:
+            if rng.random() < 0.5:
+                time.sleep(rng.random() * 0.002)
+                future.cancel()
+        for future in futures:
+            if not future.cancelled():
+                image = future.result(30).packed
+                assert image is not None and arena.give_back(image)
+        loader._loads.submit(lambda: None).result(30)  # every load has ended (they run one at a time)
+        assert arena.free_pages == free
