@@ -16,7 +16,7 @@ does right after it is written). Each round times, one after another:
 - for scale, the host's own fp32 -> bf16 conversion of 160 MB with 1, 8 and 16 torch threads.
 
 It prints the median, min and max of each, in ms, and the ratios of the fastest paths to the engine's way.
-Needs CUDA.
+`--phases-only` prints instead where one device loader load's time goes, phase by phase. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import mmap
 import os
 import statistics
@@ -43,8 +44,8 @@ import torch
 from bench.adapter_loading import ALL7, LLAMA_7B_16
 from engine.adapter_device_loader import DeviceLoader
 from engine.adapter_loader import AdapterLoader, ProcessLoader, ThreadLoader
-from engine.adapters import read_spec
-from engine.lora import LoRAStacks, image_groups
+from engine.adapters import WEIGHTS_FILE, AdapterSpec, read_spec, stored_tensors
+from engine.lora import LoRAStacks, SlotLayout, image_groups
 from engine.pinned_arena import PinnedArena
 from tests.unit.engine.tiny import write_adapter
 
@@ -159,9 +160,64 @@ def host_conversion(size: int, threads: int) -> float:
     return took
 
 
+def device_loader_phases(folder: Path, spec: AdapterSpec, layout: SlotLayout, arena: PinnedArena, rounds: int) -> None:
+    """Where one `DeviceLoader` load's time goes, the device waited for after each phase, per reading threads
+    and chunk size: the header read and the plan (reused: the file's layout is the last one's), the reads with
+    their copies to the GPU, the placement, the host image's copy back, the device image's clone; then one whole
+    `submit` (the phases without the waits in between). Medians of `rounds` after two warm-up loads, in ms."""
+    device = torch.device("cuda")
+    for readers, chunk in ((16, 4 << 20), (16, 16 << 20), (8, 8 << 20)):
+        loader = DeviceLoader(
+            ThreadLoader(torch.bfloat16, layout), torch.bfloat16, layout, device, arena, readers, chunk, 16
+        )
+        stream = loader._stream
+        assert stream is not None
+        times: dict[str, list[float]] = {}
+        for i in range(rounds + 2):
+            marks = [time.perf_counter()]
+            with (folder / WEIGHTS_FILE).open("rb") as handle, torch.cuda.stream(stream):
+                stored = stored_tensors(folder, handle)
+                start = stored[0].offset
+                plan = loader._plan_for(spec, stored, start, os.fstat(handle.fileno()).st_size - start)
+                marks.append(time.perf_counter())
+                loader._read(handle.fileno(), folder, start, plan.raw)
+                stream.synchronize()
+                marks.append(time.perf_counter())
+                plan.copies.run()
+                stream.synchronize()
+                marks.append(time.perf_counter())
+                host = arena.take(plan.image.numel(), torch.bfloat16)
+                assert host is not None
+                host.copy_(plan.image, non_blocking=True)
+                stream.synchronize()
+                marks.append(time.perf_counter())
+                clone = plan.image.clone()
+                stream.synchronize()
+                marks.append(time.perf_counter())
+                arena.give_back(host)
+                del clone
+            whole = time.perf_counter()
+            image = loader.submit(spec).result().packed
+            assert image is not None
+            marks.append(marks[-1] + time.perf_counter() - whole)  # (so the last pair spans the submit alone)
+            arena.give_back(image)
+            if i >= 2:
+                names = ("header + plan", "reads + copies to the GPU", "placement", "host image back", "device clone")
+                for name, (a, b) in zip((*names, "one whole submit"), itertools.pairwise(marks), strict=True):
+                    times.setdefault(name, []).append((b - a) * 1e3)
+        print(
+            f"device loader, {readers} readers, {chunk >> 20} MiB chunks: "
+            + ", ".join(f"{name} {statistics.median(values):.2f}" for name, values in times.items())
+            + " ms",
+            flush=True,
+        )
+        loader.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--phases-only", action="store_true", help="only where one device loader load's time goes")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
@@ -192,6 +248,9 @@ def main() -> None:
     spec = read_spec(folder, arch, 16)
     image_bytes = layout.image_size(image_groups(spec.modules), 16) * 2
     arena = PinnedArena(image_bytes + (8 << 20))
+    if args.phases_only:
+        device_loader_phases(folder, spec, layout, arena, args.rounds)
+        return
     loader = ProcessLoader(torch.bfloat16, layout, 8, arena)
     gpu_image = torch.empty(image_bytes // 2, dtype=torch.bfloat16, device=device)
 
