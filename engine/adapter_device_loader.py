@@ -3,9 +3,12 @@
 Loader processes (`adapter_loader.ProcessLoader`) pack an adapter's slot image on the host: each part maps the
 file, parses its header, converts to the engine's dtype and checks the values, and the image then goes to the
 GPU in a slot fill. At Llama-7B dims (32 layers, rank 16 on all seven projections, an fp32 file of 153 MiB)
-that took 14.5 ms on an H100 host, where reading the file's bytes as stored by 16 threads into page-locked
-memory, each share copied to the GPU as soon as it was read, and converting and checking there took 0.47x
-of it (bench/adapter_upload_paths.py; bench/RESULTS-gpu.md, stop 34). A hot swap waits for its load.
+that took 14.5 ms on an H100 host. Reading the file's bytes as stored by 16 threads into page-locked memory,
+each share copied to the GPU as soon as it was read, and converting and checking there took 0.47x of it
+(bench/adapter_upload_paths.py; bench/RESULTS-gpu.md, stop 34). This loader is built on that path. Measured
+itself (stop 35, one H100) it is no faster than the loader processes: a load on its own took 0.87-0.98x of
+their time, and inside the engine, where its threads wait for the GIL the step loop holds, hot swap (f) took
+0.98-0.99x. So it is an option (`--adapter-loader device`), not the default.
 
 `DeviceLoader` loads so:
 1. the weights file's header is read (`stored_tensors`: safetensors parses and validates it);
@@ -16,12 +19,13 @@ of it (bench/adapter_upload_paths.py; bench/RESULTS-gpu.md, stop 34). A hot swap
    views are made once per file layout and kept for the next load laid out alike (the versions of one
    adapter): making them is milliseconds of Python, holding the GIL the step loop needs;
 4. the image is copied back into host memory (an extent of the shared arena): the host image is what the
-   pool's host tier holds and slot fills read, as with the other loaders. The device image comes back beside
-   it, and the version's first fill, if it comes soon (a hot swap's, a waiting request's), copies from it
-   device to device instead of from the host.
-Only the reads and the copies' launches run on the engine process's threads; the GIL is released while a
-read or a device wait blocks. Registration checks (`check`), and loads of files whose tensors are not
-aligned to their dtype (the format does not promise it), go to the `fallback` loader.
+   pool's host tier holds and slot fills read, as with the other loaders. A clone of the device image comes
+   back beside it, and the pool keeps it for a fill expected soon (a hot swap's, a waiting request's), which
+   then copies device to device instead of from the host (`AdapterPool._drop_device_image`).
+All of it runs on threads of the engine process: the header parse, the plan's key (1.7-2.6 ms of Python on an
+H100 host), the reads and the copies' launches; the GIL is released while a read or a device wait blocks.
+Registration checks (`check`), and loads of files whose tensors are not aligned to their dtype (the format
+does not promise it), go to the `fallback` loader.
 
 Without CUDA the same steps run on the CPU, unpinned and synchronous (the unit tests).
 """
@@ -109,44 +113,52 @@ class DeviceLoader:
         def settle(done: Future[AdapterWeights | None]) -> None:
             if done.cancelled():
                 outer.cancel()
-            elif done.exception() is not None:
-                if outer.set_running_or_notify_cancel():
-                    outer.set_exception(done.exception())  # type: ignore[arg-type]
+            elif (exc := done.exception()) is not None:
+                self._fail(outer, exc)
             elif (weights := done.result()) is not None:
-                if outer.set_running_or_notify_cancel():
-                    outer.set_result(weights)
+                self._hand_over(outer, weights)
+            elif not outer.cancelled():  # not this loader's to load: the fallback's result becomes this load's
+                try:
+                    source = self._fallback.submit(spec)
+                except Exception as error:  # (no loader process could start) raised here, it left `outer` pending
+                    self._fail(outer, error)
                 else:
-                    self._give_back(weights)
-            else:  # not this loader's to load: the fallback's result becomes this load's
-                self._chain(self._fallback.submit(spec), outer)
+                    self._chain(source, outer)
 
         inner.add_done_callback(settle)
         return outer
 
-    @staticmethod
-    def _chain(source: Future[AdapterWeights], outer: Future[AdapterWeights]) -> None:
+    def _chain(self, source: Future[AdapterWeights], outer: Future[AdapterWeights]) -> None:
         outer.add_done_callback(lambda f: source.cancel() if f.cancelled() else None)
 
         def done(f: Future[AdapterWeights]) -> None:
             if f.cancelled():
                 outer.cancel()
-            elif outer.set_running_or_notify_cancel():
-                exc = f.exception()
-                if exc is not None:
-                    outer.set_exception(exc)
-                else:
-                    outer.set_result(f.result())
+            elif (exc := f.exception()) is not None:
+                self._fail(outer, exc)
+            else:
+                self._hand_over(outer, f.result())
 
         source.add_done_callback(done)
 
-    def _give_back(self, weights: AdapterWeights) -> None:
-        if weights.packed is not None and self._arena is not None:
+    @staticmethod
+    def _fail(outer: Future[AdapterWeights], exc: BaseException) -> None:
+        if outer.set_running_or_notify_cancel():
+            outer.set_exception(exc)
+
+    def _hand_over(self, outer: Future[AdapterWeights], weights: AdapterWeights) -> None:
+        """`weights` as `outer`'s result; if `outer` was cancelled meanwhile nobody takes them, and their
+        extent goes back to the arena."""
+        if outer.set_running_or_notify_cancel():
+            outer.set_result(weights)
+        elif weights.packed is not None and self._arena is not None:
             self._arena.give_back(weights.packed)
 
     def close(self) -> None:
-        self._closed.set()
-        self._loads.shutdown(wait=False, cancel_futures=True)
+        self._closed.set()  # reads not yet started fail at once
         self._readers.shutdown(wait=False, cancel_futures=True)
+        # A load in flight may still queue a copy into the arena, which the engine closes next: wait for it.
+        self._loads.shutdown(wait=True, cancel_futures=True)
         self._fallback.close()
 
     # -- one load (on the load thread) ------------------------------------------------------------------
@@ -248,22 +260,26 @@ class DeviceLoader:
         image = plan.image
         low, high = torch.aminmax(image)
         finite = (torch.isfinite(low) & torch.isfinite(high)).to("cpu", non_blocking=self._cuda)
-        host = self._arena.take(image.numel(), self._dtype) if self._arena is not None else None
-        if host is None:
-            host = torch.empty(image.numel(), dtype=self._dtype, pin_memory=self._cuda)
-        host.copy_(image, non_blocking=self._cuda)
         # The plan's image is overwritten by the next load: the pool gets a copy (device to device, 80 MB in
         # tens of microseconds at Llama-7B dims).
         device_image = image.clone() if self.keep_device_image else None
-        if self._stream is not None:
-            self._stream.synchronize()  # (releases the GIL) the check's flag and the host image are written
+        host = self._arena.take(image.numel(), self._dtype) if self._arena is not None else None
+        if host is None:
+            host = torch.empty(image.numel(), dtype=self._dtype, pin_memory=self._cuda)
         weights = AdapterWeights(spec.rank, spec.scaling, spec.modules, {}, host, plan.groups, device_image)
-        if not bool(finite):
-            self._give_back(weights)
-            raise AdapterError(
-                f"{spec.path}: {non_finite(plan.tensors, self._dtype)} contains NaN or infinite values "
-                f"(in {self._dtype})"
-            )
+        try:
+            host.copy_(image, non_blocking=self._cuda)
+            if self._stream is not None:
+                self._stream.synchronize()  # (releases the GIL) the check's flag and the host image are written
+            if not bool(finite):
+                raise AdapterError(
+                    f"{spec.path}: {non_finite(plan.tensors, self._dtype)} contains NaN or infinite values "
+                    f"(in {self._dtype})"
+                )
+        except BaseException:
+            if self._arena is not None:  # reused once the copy queued into it has run
+                self._arena.give_back(host, self._stream)
+            raise
         return weights
 
 

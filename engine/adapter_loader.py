@@ -257,8 +257,8 @@ def make_loader(
 
     On "auto", loader processes keep adapter loads off a GPU engine's GIL-bound step loop (RESULTS-gpu.md,
     section d); a CPU engine's loop is bound by its matmuls, and threads start faster. "device" (CUDA, fused
-    stacks) reads files by threads and converts them on the GPU (`DeviceLoader`), with one loader process for
-    checks and for the files it leaves to others.
+    stacks) reads files by threads and converts them on the GPU (`DeviceLoader`), with loader processes (one
+    loading, one checking) for checks and for the files it leaves to others.
     """
     in_processes = device.type == "cuda" if config.adapter_loader == "auto" else config.adapter_loader != "thread"
     if not in_processes:

@@ -169,7 +169,8 @@ class EngineConfig:
     def reader_threads(self) -> int:
         """The device loader's reading threads: `adapter_loader_workers`, or the cores, 2 to 16. On a 16-core
         H100 host 16 threads read and uploaded a 153 MiB adapter file in 6.8 ms, 8 in 8.1 ms
-        (bench/adapter_upload_paths.py; bench/RESULTS-gpu.md, stop 34)."""
+        (bench/adapter_upload_paths.py; bench/RESULTS-gpu.md, stop 34). A load reads a chunk per thread at a
+        time (`adapter_device_loader.CHUNK_BYTES`), so a file of fewer chunks keeps fewer threads busy."""
         if self.adapter_loader_workers:
             return self.adapter_loader_workers
         return max(2, min(16, os.cpu_count() or 1))

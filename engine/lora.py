@@ -43,8 +43,8 @@ class AdapterWeights:
     packed: torch.Tensor | None = None
     packed_groups: tuple[str, ...] = ()
     # The same image on the GPU, as the device loader placed it there (`adapter_device_loader`): a slot fill
-    # copies from it instead of from `packed`, device to device. The pool keeps it for the version's first fill
-    # only (`AdapterPool._loaded`), and `nbytes` does not count it: it is not part of the host tier.
+    # copies from it instead of from `packed`, device to device. The pool keeps it only while a fill is expected
+    # soon (`AdapterPool._drop_device_image`), and `nbytes` does not count it: it is not part of the host tier.
     device_packed: torch.Tensor | None = None
 
     @property

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,15 @@ def test_the_device_loader_gives_the_image_the_thread_loader_packs(file_dtype: t
         want = load_adapter(spec, torch.bfloat16, pin=True, layout=stacks.layout)
         assert got.packed is not None and want.packed is not None and arena.holds(got.packed)
         torch.testing.assert_close(got.packed, want.packed, rtol=0, atol=0)
+        assert got.device_packed is not None and got.device_packed.is_cuda
+        torch.testing.assert_close(got.device_packed.cpu(), want.packed, rtol=0, atol=0)
+        # A fill from the device image puts in the slot what a fill from the host image puts.
+        stacks.set_lora(0, got)
+        stacks.set_lora(1, dataclasses.replace(got, device_packed=None))
+        torch.cuda.synchronize()
+        for table in (stacks._group_a_all, stacks._group_b_all):
+            for weights in table.values():
+                torch.testing.assert_close(weights[:, 0], weights[:, 1], rtol=0, atol=0)
         tensors = load_file(str(path))
         tensors[next(iter(tensors))][0, 0] = float("nan")
         save_file(tensors, str(path))

@@ -23,7 +23,7 @@ from engine.adapter_loader import ThreadLoader
 from engine.adapters import WEIGHTS_FILE, AdapterError, AdapterSpec, read_spec
 from engine.lora import AdapterWeights, LoRAStacks, SlotLayout
 from engine.pinned_arena import PinnedArena
-from engine.pool import AdapterPool, AdapterState
+from engine.pool import DEVICE_IMAGES_KEPT, AdapterPool, AdapterState
 from tests.unit.engine.test_pool import _poison
 from tests.unit.engine.tiny import TINY, write_adapter
 
@@ -404,3 +404,101 @@ def test_loads_cancelled_at_random_leave_no_extent_taken(
                 assert image is not None and arena.give_back(image)
         loader._loads.submit(lambda: None).result(30)  # every load has ended (they run one at a time)
         assert arena.free_pages == free
+
+
+def test_a_fallback_that_cannot_take_the_load_fails_it(loader: DeviceLoader, tmp_path: Path) -> None:
+    """The fallback's submit runs in a callback: raised there, it left the load pending for good, and the pool's
+    requests for the adapter waiting with it (review of stop 35)."""
+    folder = write_adapter(tmp_path / "a", rank=4, modules=ALL7)
+    _misaligned(folder)
+    spec = read_spec(folder, TINY, 8)
+
+    def refuse(_: AdapterSpec) -> Future[AdapterWeights]:
+        raise RuntimeError("no loader process could start")
+
+    loader._fallback.submit = refuse  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="no loader process could start"):
+        loader.submit(spec).result(30)
+
+
+def test_a_fallback_load_cancelled_as_it_ends_gives_its_extent_back(
+    loader: DeviceLoader, arena: PinnedArena, tmp_path: Path
+) -> None:
+    """A cancel that comes once the fallback's future runs cannot stop it: its image must go back to the arena
+    (review of stop 35: it was dropped with its extent still taken)."""
+    spec = read_spec(write_adapter(tmp_path / "a", rank=4, modules=ALL7), TINY, 8)
+    free = arena.free_pages
+    source: Future[AdapterWeights] = Future()
+    outer: Future[AdapterWeights] = Future()
+    loader._chain(source, outer)
+    assert source.set_running_or_notify_cancel()  # the fallback's worker has it
+    assert outer.cancel()
+    image = arena.take(1000, torch.bfloat16)
+    assert image is not None
+    source.set_result(AdapterWeights(spec.rank, spec.scaling, spec.modules, {}, image, ("qkv",)))
+    assert arena.free_pages == free
+
+
+def test_a_failure_after_the_host_image_was_taken_gives_it_back(
+    loader: DeviceLoader, arena: PinnedArena, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of memory in the copy back to the host (or in the device image's clone) lost the extent for good
+    (review of stop 35)."""
+    spec = read_spec(write_adapter(tmp_path / "a", rank=4, modules=ALL7), TINY, 8)
+    loader.submit(spec).result(30)  # the plan exists: the next load only copies
+    free = arena.free_pages
+    real_copy = torch.Tensor.copy_
+
+    def failing_copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        if arena.holds(self):
+            raise RuntimeError("out of memory")
+        return real_copy(self, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", failing_copy)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        loader.submit(spec).result(30)
+    monkeypatch.undo()
+    loader._loads.submit(lambda: None).result(30)
+    assert arena.free_pages == free
+
+
+def test_close_waits_for_a_load_in_flight(layout: SlotLayout, arena: PinnedArena, tmp_path: Path) -> None:
+    """The engine closes the arena right after the loader: a load still running could queue a copy into it."""
+    loader = DeviceLoader(ThreadLoader(torch.bfloat16, layout), torch.bfloat16, layout, torch.device("cpu"), arena)
+    gate = threading.Event()
+    started = threading.Event()
+    loader._loads.submit(lambda: (started.set(), gate.wait(5)))
+    started.wait(5)
+    closer = threading.Thread(target=loader.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # waits for the task in flight
+    gate.set()
+    closer.join(5)
+    assert not closer.is_alive()
+
+
+def test_no_more_than_a_few_waited_for_loads_keep_their_device_images(
+    device_pool: tuple[AdapterPool, DeviceLoader, LoRAStacks], tmp_path: Path
+) -> None:
+    """Every queued request marks its adapter wanted: a deep queue of cold adapters kept one device image each,
+    GPU memory the KV cache was sized without (review of stop 35)."""
+    pool, loader, _ = device_pool
+    gate = threading.Event()
+    loader._loads.submit(gate.wait)
+    versions = [pool.register(f"a{i}", write_adapter(tmp_path / f"a{i}", rank=4, seed=i)) for i in range(4)]
+    for version in versions:
+        pool.ready(version)  # a request waits for each
+    gate.set()
+    for version in versions:
+        pool.wait_loaded(version, 30)
+    kept = [v for v in versions if v.weights is not None and v.weights.device_packed is not None]
+    assert len(kept) == DEVICE_IMAGES_KEPT
+    assert pool.acquire(kept[0]) is not None  # its fill lets its image go: the next load may keep one
+    gate2 = threading.Event()
+    loader._loads.submit(gate2.wait)
+    later = pool.register("b", write_adapter(tmp_path / "b", rank=4, seed=9))
+    pool.ready(later)
+    gate2.set()
+    pool.wait_loaded(later, 30)
+    assert later.weights is not None and later.weights.device_packed is not None
