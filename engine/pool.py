@@ -125,7 +125,6 @@ class AdapterPool:
         # Versions a hot swap made current while their predecessor held a slot: the next fill-ahead pass copies
         # them into one, as if a request for them were next in line (`fill_ahead`).
         self._successors: list[AdapterVersion] = []
-        self._device_images: set[AdapterVersion] = set()  # versions whose weights hold a device image
         self._loader: AdapterLoader = loader if loader is not None else ThreadLoader(dtype, stacks.layout)
         self.on_loaded: list[Callable[[], None]] = []
         self.loads_started = 0
@@ -426,10 +425,8 @@ class AdapterPool:
                             self._successors.append(version)
                             fill_soon = True
                         self._retire(old)
-                if not fill_soon or version.retired or len(self._device_images) >= DEVICE_IMAGES_KEPT:
+                if not fill_soon or version.retired or self._device_images_kept() > DEVICE_IMAGES_KEPT:
                     self._drop_device_image(version)
-                elif version.weights.device_packed is not None:
-                    self._device_images.add(version)
                 if version.retired and version.active == 0:
                     self._drop(version)  # replaced or unloaded while loading, and nobody waits for it
                 else:
@@ -558,19 +555,23 @@ class AdapterPool:
         self._unclaimed.discard(version)
         self._discard_weights(version)
 
-    def _drop_device_image(self, version: AdapterVersion) -> None:
+    def _device_images_kept(self) -> int:
+        """How many current versions hold a device image (only those do: `_loaded` drops a retired version's, and
+        retiring an idle version drops its weights)."""
+        return sum(v.weights is not None and v.weights.device_packed is not None for v in self._by_name.values())
+
+    @staticmethod
+    def _drop_device_image(version: AdapterVersion) -> None:
         """Let go of the GPU copy a device loader left beside `version`'s host image. It is kept only for a fill
         expected soon (a request waits, or a hot swap's predecessor held a slot), and for at most
         `DEVICE_IMAGES_KEPT` versions at once: that fill then copies device to device instead of host to device,
         and GPU memory, which the KV cache was sized without, holds no more than a few images."""
-        self._device_images.discard(version)
         weights = version.weights
         if weights is not None and weights.device_packed is not None:
             version.weights = dataclasses.replace(weights, device_packed=None)
 
     def _discard_weights(self, version: AdapterVersion) -> None:
         version.wanted = False  # a request still waiting asks again (`ready`)
-        self._device_images.discard(version)
         weights, version.weights = version.weights, None
         if weights is not None and weights.packed is not None and self._arena is not None:
             # Copies into a slot may still read the image: the arena reuses it once they have run.

@@ -24,6 +24,7 @@ from engine.adapters import WEIGHTS_FILE, AdapterError, AdapterSpec, read_spec
 from engine.lora import AdapterWeights, LoRAStacks, SlotLayout
 from engine.pinned_arena import PinnedArena
 from engine.pool import DEVICE_IMAGES_KEPT, AdapterPool, AdapterState
+from tests.unit.engine.test_adapter_loader import _same
 from tests.unit.engine.test_pool import _poison
 from tests.unit.engine.tiny import TINY, write_adapter
 
@@ -69,17 +70,6 @@ def _thread_load(spec: AdapterSpec, layout: SlotLayout) -> AdapterWeights:
         threads.close()
 
 
-def _same_image(got: AdapterWeights, want: AdapterWeights) -> None:
-    assert (got.rank, got.scaling, got.modules, got.packed_groups) == (
-        want.rank,
-        want.scaling,
-        want.modules,
-        want.packed_groups,
-    )
-    assert got.packed is not None and want.packed is not None
-    torch.testing.assert_close(got.packed, want.packed, rtol=0, atol=0)
-
-
 @pytest.mark.parametrize(
     ("modules", "dtype"),
     [(ALL7, torch.float32), (("q_proj", "v_proj"), torch.float32), (ALL7, torch.bfloat16), (ALL7, torch.float16)],
@@ -93,7 +83,7 @@ def test_a_load_gives_the_image_the_thread_loader_packs(
         save_file({k: v.to(dtype) for k, v in load_file(str(path)).items()}, str(path))
     spec = read_spec(folder, TINY, 8)
     got = loader.submit(spec).result(30)
-    _same_image(got, _thread_load(spec, layout))
+    _same(got, _thread_load(spec, layout))
 
 
 def test_the_host_image_is_an_extent_of_the_arena(loader: DeviceLoader, arena: PinnedArena, tmp_path: Path) -> None:
@@ -111,7 +101,7 @@ def test_a_load_with_no_arena_room_gets_an_image_of_its_own(layout: SlotLayout, 
         spec = read_spec(write_adapter(tmp_path / "a", rank=4, modules=ALL7), TINY, 8)
         got = loader.submit(spec).result(30)
         assert got.packed is not None and not tiny_arena.holds(got.packed)
-        _same_image(got, _thread_load(spec, layout))
+        _same(got, _thread_load(spec, layout))
     finally:
         loader.close()
         tiny_arena.close()
@@ -193,7 +183,7 @@ def test_a_file_of_misaligned_tensors_is_loaded_by_the_fallback(
     fallback.submit = lambda s: submitted.append(s) or submit(s)  # type: ignore[method-assign]
     got = loader.submit(spec).result(30)
     assert submitted == [spec]
-    _same_image(got, _thread_load(spec, layout))
+    _same(got, _thread_load(spec, layout))
     aligned = read_spec(write_adapter(tmp_path / "b", rank=4, modules=ALL7, seed=8), TINY, 8)
     loader.submit(aligned).result(30)
     assert submitted == [spec]  # an aligned file is read by the loader's own threads
@@ -244,7 +234,7 @@ def test_a_pool_loads_and_hot_swaps_through_it(layout: SlotLayout, arena: Pinned
         v2 = pool.register("a", write_adapter(tmp_path / "v2", rank=8, modules=ALL7, seed=2))
         pool.wait_loaded(v2, 30)
         assert pool.lookup("a") is v2 and v2.weights is not None
-        _same_image(v2.weights, _thread_load(v2.spec, layout))
+        _same(v2.weights, _thread_load(v2.spec, layout))
         pool.release(v1, tokens=1)
         assert v1.weights is None  # retired and idle: dropped, its extent back in the arena
     finally:
@@ -371,10 +361,10 @@ def test_files_laid_out_alike_reuse_one_plan_and_each_gets_its_own_values(
     plan = loader._plan
     second = loader.submit(specs[1]).result(30)
     assert loader._plan is plan
-    _same_image(first, _thread_load(specs[0], layout))
-    _same_image(second, _thread_load(specs[1], layout))
+    _same(first, _thread_load(specs[0], layout))
+    _same(second, _thread_load(specs[1], layout))
     other = read_spec(write_adapter(tmp_path / "q", rank=2, modules=("q_proj",), seed=7), TINY, 8)
-    _same_image(loader.submit(other).result(30), _thread_load(other, layout))
+    _same(loader.submit(other).result(30), _thread_load(other, layout))
     assert loader._plan is not plan
     # The device image handed out is the load's own: the next load does not overwrite it.
     assert first.device_packed is not None and second.device_packed is not None
