@@ -132,9 +132,9 @@ def main() -> None:
 
     def load_all(loader: AdapterLoader, batch: list) -> None:  # type: ignore[type-arg]
         for future in [loader.submit(s) for s in batch]:
-            image = future.result().packed
-            if image is not None:
-                arena.give_back(image)  # (False for images outside the arena)
+            weights = future.result()
+            if weights.packed is not None:  # (False for images outside the arena)
+                arena.give_back(weights.packed, written=weights.host_ready)
 
     for loader in loaders.values():  # start workers, first imports
         load_all(loader, specs(2))
@@ -262,9 +262,9 @@ def split_loads_by_queue(args: argparse.Namespace, tmp: Path) -> dict[str, tuple
         for name, loader in loaders.items():
             parts.clear()
             start = time.perf_counter()
-            image = loader.submit(spec).result().packed
+            weights = loader.submit(spec).result()
             took = time.perf_counter() - start
-            assert image is not None and arena.give_back(image)
+            assert weights.packed is not None and arena.give_back(weights.packed, written=weights.host_ready)
             starts = [part.result()[0] for part in parts]  # type: ignore[index]
             if i:
                 times[name][0].append(took)

@@ -33,6 +33,7 @@ Without CUDA the same steps run on the CPU, unpinned and synchronous (the unit t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import queue
 import threading
@@ -62,6 +63,7 @@ from engine.pinned_arena import PinnedArena
 # chunks of 16 MiB by 16 threads, 9.9 ms in chunks of 4 MiB (one H100 host; bench/RESULTS-gpu.md, stop 35).
 CHUNK_BYTES = 16 << 20
 CHUNKS = 12  # page-locked chunks in the ring (192 MiB): the reads run ahead of the copies by this much
+MAX_HEADER_BYTES = 100 << 20  # (safetensors refuses larger headers)
 
 
 class DeviceLoader:
@@ -152,7 +154,7 @@ class DeviceLoader:
         if outer.set_running_or_notify_cancel():
             outer.set_result(weights)
         elif weights.packed is not None and self._arena is not None:
-            self._arena.give_back(weights.packed)
+            self._arena.give_back(weights.packed, written=weights.host_ready)
 
     def close(self) -> None:
         self._closed.set()  # reads not yet started fail at once
@@ -171,17 +173,21 @@ class DeviceLoader:
         except OSError as exc:
             raise AdapterError(f"{folder}: cannot load {WEIGHTS_FILE} ({exc})") from exc
         with handle, self._on_stream():
-            try:
-                stored = stored_tensors(folder, handle)
-            except AdapterError:
-                raise
-            except Exception as exc:  # SafetensorError: a header that no longer parses
-                raise AdapterError(f"{folder}: cannot load {WEIGHTS_FILE} ({exc})") from exc
-            if not stored or any(t.offset % t.dtype.itemsize for t in stored):
-                return None
-            start = stored[0].offset
-            plan = self._plan_for(spec, stored, start, os.fstat(handle.fileno()).st_size - start)
-            self._read(handle.fileno(), folder, start, plan.raw)
+            fd = handle.fileno()
+            header, file_size = stored_header(fd), os.fstat(fd).st_size
+            plan = self._plan
+            if plan is None or not plan.laid_out_as(spec, header, file_size):
+                try:
+                    stored = stored_tensors(folder, handle)
+                except AdapterError:
+                    raise
+                except Exception as exc:  # SafetensorError: a header that no longer parses
+                    raise AdapterError(f"{folder}: cannot load {WEIGHTS_FILE} ({exc})") from exc
+                if not stored or any(t.offset % t.dtype.itemsize for t in stored):
+                    return None
+                start = stored[0].offset
+                plan = self._plan_for(spec, stored, start, file_size - start, header)
+            self._read(fd, folder, file_size - plan.raw.numel(), plan.raw)
             return self._place(spec, plan)
 
     def _on_stream(self) -> contextlib.AbstractContextManager[object]:
@@ -226,13 +232,16 @@ class DeviceLoader:
         finally:
             self._free.put(index)
 
-    def _plan_for(self, spec: AdapterSpec, stored: list[StoredTensor], start: int, size: int) -> _Plan:
+    def _plan_for(
+        self, spec: AdapterSpec, stored: list[StoredTensor], start: int, size: int, header: bytes | None
+    ) -> _Plan:
         """The device buffers and copies for a file laid out as `stored` (its data `size` bytes from `start`):
-        the last one made if the layout and `spec`'s rank and projections are the same (the versions of one
-        adapter, adapters written alike), else new ones, checked against `spec`. Making them is milliseconds
-        of Python (views of 448 tensors at Llama-7B dims), which holds the GIL the engine's step loop needs."""
+        the last one made if the layout and `spec`'s rank and projections are the same (adapters written
+        alike), else new ones, checked against `spec`. Making them is milliseconds of Python (views of 448
+        tensors at Llama-7B dims), which holds the GIL the engine's step loop needs."""
         key = (spec.rank, spec.modules, size, tuple((t.name, t.dtype, t.shape, t.offset - start) for t in stored))
         if self._plan is not None and self._plan.key == key:
+            self._plan = dataclasses.replace(self._plan, header=header, file_size=start + size)
             return self._plan
         self._plan = None  # its buffers go before new ones are taken
         folder = spec.path
@@ -250,12 +259,16 @@ class DeviceLoader:
             copies = LayerCopies.of(self._layout, image, groups, spec.rank, tensors, range(self._layout.num_layers))
         except RuntimeError as exc:  # a shape that no longer fits its place
             raise AdapterError(f"{folder}: {WEIGHTS_FILE} no longer fits its registered shapes ({exc})") from exc
-        self._plan = _Plan(key, raw, image, groups, tensors, copies)
+        self._plan = _Plan(key, raw, image, groups, tensors, copies, header, start + size)
         return self._plan
 
     def _place(self, spec: AdapterSpec, plan: _Plan) -> AdapterWeights:
         """The image placed and converted on the device from the bytes read, checked finite and copied to host
-        memory (and, with `keep_device_image`, to a device image of its own)."""
+        memory (and, with `keep_device_image`, to a device image of its own).
+
+        The load is done once the check's flag and the device image are: the copy back to the host (1.6 ms of
+        an 80 MB image on an H100) is still in flight then, and the weights say so (`host_ready`). A hot swap
+        or a waiting request fills its slot from the device image meanwhile."""
         plan.copies.run()
         image = plan.image
         low, high = torch.aminmax(image)
@@ -263,14 +276,18 @@ class DeviceLoader:
         # The plan's image is overwritten by the next load: the pool gets a copy (device to device, 80 MB in
         # tens of microseconds at Llama-7B dims).
         device_image = image.clone() if self.keep_device_image else None
+        checked = self._record()
         host = self._arena.take(image.numel(), self._dtype) if self._arena is not None else None
         if host is None:
             host = torch.empty(image.numel(), dtype=self._dtype, pin_memory=self._cuda)
-        weights = AdapterWeights(spec.rank, spec.scaling, spec.modules, {}, host, plan.groups, device_image)
         try:
             host.copy_(image, non_blocking=self._cuda)
-            if self._stream is not None:
-                self._stream.synchronize()  # (releases the GIL) the check's flag and the host image are written
+            host_ready = self._record()
+            weights = AdapterWeights(
+                spec.rank, spec.scaling, spec.modules, {}, host, plan.groups, device_image, host_ready
+            )
+            if checked is not None:
+                checked.synchronize()  # (releases the GIL) the check's flag and the device image are written
             if not bool(finite):
                 raise AdapterError(
                     f"{spec.path}: {non_finite(plan.tensors, self._dtype)} contains NaN or infinite values "
@@ -281,6 +298,27 @@ class DeviceLoader:
                 self._arena.give_back(host, self._stream)
             raise
         return weights
+
+    def _record(self) -> torch.cuda.Event | None:
+        """An event of the work queued on the loader's stream so far (None on the CPU, where it has run)."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+
+def stored_header(fd: int) -> bytes | None:
+    """A safetensors file's header as stored (its length, then its JSON), or None if the file is too short to
+    hold the one its first bytes announce. Equal headers in files of equal size lay their tensors out alike."""
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        return None
+    length = int.from_bytes(head, "little")
+    if length > MAX_HEADER_BYTES:
+        return None
+    body = os.pread(fd, length, 8)
+    return head + body if len(body) == length else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,3 +331,20 @@ class _Plan:
     groups: tuple[str, ...]
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # views of `raw`, by (layer, module)
     copies: LayerCopies
+    # The file's header as stored, and its size: a load of a file with both the same skips the header's parse
+    # (1.7-2.4 ms of Python on an H100 host, stop 35) and the key's making.
+    header: bytes | None
+    file_size: int
+
+    def laid_out_as(self, spec: AdapterSpec, header: bytes | None, file_size: int) -> bool:
+        """Whether a file of `header` and `file_size`, registered as `spec`, has this plan's layout."""
+        return (
+            header is not None
+            and header == self.header
+            and file_size == self.file_size
+            and (
+                spec.rank,
+                spec.modules,
+            )
+            == self.key[:2]
+        )

@@ -46,6 +46,10 @@ class AdapterWeights:
     # copies from it instead of from `packed`, device to device. The pool keeps it only while a fill is expected
     # soon (`AdapterPool._drop_device_image`), and `nbytes` does not count it: it is not part of the host tier.
     device_packed: torch.Tensor | None = None
+    # Passed once `packed` is written, where a copy into it was still in flight when the weights were handed
+    # over (the device loader's copy back from the GPU): fills wait for it on the device, and the arena
+    # reuses the extent only after it (`PinnedArena.give_back`'s `written`). None: written already.
+    host_ready: torch.cuda.Event | None = None
 
     @property
     def nbytes(self) -> int:
@@ -329,6 +333,8 @@ class LoRAStacks:
         # stale weights behind a group rank of 0, which the kernels skip.
         assert adapter.packed is not None and self._staging is not None
         source = adapter.packed if adapter.device_packed is None else adapter.device_packed
+        if adapter.device_packed is None and adapter.host_ready is not None:
+            torch.cuda.current_stream().wait_event(adapter.host_ready)  # the host image is still being written
         self._staging[: source.numel()].copy_(source, non_blocking=True)
         if source.is_cuda:  # its memory is not reused before this copy (on the side stream) has read it
             source.record_stream(torch.cuda.current_stream(source.device))

@@ -46,7 +46,7 @@ class PinnedArena:
             self._registered = True
         self._free: list[tuple[int, int]] = [(0, self.pages)] if self.pages else []  # (first page, count)
         self._taken: dict[int, tuple[int, int]] = {}  # data_ptr of a handed-out view -> its extent
-        self._pending: list[tuple[torch.cuda.Event | None, tuple[int, int]]] = []
+        self._pending: list[tuple[tuple[torch.cuda.Event, ...], tuple[int, int]]] = []
         self._lock = threading.Lock()
 
     def offset(self, view: torch.Tensor) -> int:
@@ -76,8 +76,8 @@ class PinnedArena:
         with self._lock:
             self._reclaim()
             if not self._has_extent(count) and self._pending:
-                for event, _ in self._pending:
-                    if event is not None:
+                for events, _ in self._pending:
+                    for event in events:
                         event.synchronize()
                 self._reclaim()
             return self._has_extent(count)
@@ -106,19 +106,24 @@ class PinnedArena:
                 return view
         return None
 
-    def give_back(self, tensor: torch.Tensor, stream: torch.cuda.Stream | None = None) -> bool:
+    def give_back(
+        self, tensor: torch.Tensor, stream: torch.cuda.Stream | None = None, written: torch.cuda.Event | None = None
+    ) -> bool:
         """Return `tensor`'s extent (False if the arena did not hand it out). With `stream`, the extent is
         reused only after the work queued on it so far has run: copies out of the tensor may be in flight.
+        With `written`, only after that event too: a copy into the tensor may be in flight (the device
+        loader hands its host image over before the copy back has run: `AdapterWeights.host_ready`).
         """
         with self._lock:
             extent = self._taken.pop(tensor.data_ptr(), None)
             if extent is None:
                 return False
-            event = None
+            events: list[torch.cuda.Event] = [written] if written is not None else []
             if stream is not None:
                 event = torch.cuda.Event()
                 event.record(stream)
-            self._pending.append((event, extent))
+                events.append(event)
+            self._pending.append((tuple(events), extent))
             return True
 
     def _pages(self, nbytes: int) -> int:
@@ -130,10 +135,10 @@ class PinnedArena:
 
     def _reclaim(self) -> None:
         # Lock held: extents whose copies have run go back to the free list, merged with their neighbours.
-        still: list[tuple[torch.cuda.Event | None, tuple[int, int]]] = []
-        for event, extent in self._pending:
-            if event is not None and not event.query():
-                still.append((event, extent))
+        still: list[tuple[tuple[torch.cuda.Event, ...], tuple[int, int]]] = []
+        for events, extent in self._pending:
+            if not all(event.query() for event in events):
+                still.append((events, extent))
                 continue
             i = bisect.bisect(self._free, extent)
             self._free.insert(i, extent)

@@ -212,9 +212,9 @@ class AdapterPool:
         def give_back(done: Future[AdapterWeights]) -> None:
             if done.cancelled() or done.exception() is not None:
                 return
-            packed = done.result().packed
-            if packed is not None and self._arena is not None:
-                self._arena.give_back(packed)
+            weights = done.result()
+            if weights.packed is not None and self._arena is not None:
+                self._arena.give_back(weights.packed, written=weights.host_ready)
 
         future.add_done_callback(give_back)
 
@@ -575,4 +575,4 @@ class AdapterPool:
         weights, version.weights = version.weights, None
         if weights is not None and weights.packed is not None and self._arena is not None:
             # Copies into a slot may still read the image: the arena reuses it once they have run.
-            self._arena.give_back(weights.packed, self._stacks.copy_stream)
+            self._arena.give_back(weights.packed, self._stacks.copy_stream, weights.host_ready)

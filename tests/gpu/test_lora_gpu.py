@@ -84,18 +84,20 @@ def test_the_device_loader_gives_the_image_the_thread_loader_packs(file_dtype: t
     loader = DeviceLoader(threads, torch.bfloat16, stacks.layout, torch.device("cuda"), arena, 4, 4096, 3)
     try:
         got = loader.submit(spec).result(60)
-        want = load_adapter(spec, torch.bfloat16, pin=True, layout=stacks.layout)
-        assert got.packed is not None and want.packed is not None and arena.holds(got.packed)
-        torch.testing.assert_close(got.packed, want.packed, rtol=0, atol=0)
-        assert got.device_packed is not None and got.device_packed.is_cuda
-        torch.testing.assert_close(got.device_packed.cpu(), want.packed, rtol=0, atol=0)
-        # A fill from the device image puts in the slot what a fill from the host image puts.
-        stacks.set_lora(0, got)
+        # At once, while the copy back to the host may still run (`host_ready`): a fill from the host image
+        # waits for it on the device, and puts in the slot what a fill from the device image puts.
         stacks.set_lora(1, dataclasses.replace(got, device_packed=None))
+        stacks.set_lora(0, got)
         torch.cuda.synchronize()
         for table in (stacks._group_a_all, stacks._group_b_all):
             for weights in table.values():
                 torch.testing.assert_close(weights[:, 0], weights[:, 1], rtol=0, atol=0)
+        want = load_adapter(spec, torch.bfloat16, pin=True, layout=stacks.layout)
+        assert got.host_ready is not None and got.host_ready.query()
+        assert got.packed is not None and want.packed is not None and arena.holds(got.packed)
+        torch.testing.assert_close(got.packed, want.packed, rtol=0, atol=0)
+        assert got.device_packed is not None and got.device_packed.is_cuda
+        torch.testing.assert_close(got.device_packed.cpu(), want.packed, rtol=0, atol=0)
         tensors = load_file(str(path))
         tensors[next(iter(tensors))][0, 0] = float("nan")
         save_file(tensors, str(path))

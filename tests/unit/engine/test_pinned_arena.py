@@ -188,3 +188,41 @@ def test_fits_answers_what_take_would_find_and_holds_only_extents_out(make_arena
     assert not arena.holds(first)
     assert arena.fits(4 * PAGE // 4, torch.float32)  # given back and merged with its free neighbour
     assert arena.take(4 * PAGE // 4, torch.float32) is not None
+
+
+class _CopyInFlight:
+    """Stands in for a CUDA event of a copy into an extent (the device loader's copy back): not passed until
+    `done`, and `synchronize` waits for it."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = True
+        self.done = True
+
+
+def test_an_extent_given_back_with_a_copy_into_it_in_flight_is_reused_only_after_it(
+    make_arena: Callable[[int], PinnedArena],
+) -> None:
+    arena = make_arena(2)
+    image = arena.take(2 * PAGE, torch.uint8)
+    assert image is not None
+    written = _CopyInFlight()
+    assert arena.give_back(image, written=written)  # type: ignore[arg-type]
+    assert arena.free_pages == 0 and arena.take(1, torch.uint8) is None  # the copy may still write it
+    written.done = True
+    assert arena.free_pages == 2
+
+
+def test_fits_waits_for_a_copy_into_an_extent_given_back(make_arena: Callable[[int], PinnedArena]) -> None:
+    arena = make_arena(2)
+    image = arena.take(2 * PAGE, torch.uint8)
+    assert image is not None
+    written = _CopyInFlight()
+    arena.give_back(image, written=written)  # type: ignore[arg-type]
+    assert arena.fits(2 * PAGE, torch.uint8) and written.waited
