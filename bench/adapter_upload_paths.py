@@ -166,10 +166,9 @@ def device_loader_phases(folder: Path, spec: AdapterSpec, layout: SlotLayout, ar
     their copies to the GPU, the placement, the host image's copy back, the device image's clone; then one whole
     `submit` (the phases without the waits in between). Medians of `rounds` after two warm-up loads, in ms."""
     device = torch.device("cuda")
-    for readers, chunk in ((16, 4 << 20), (16, 16 << 20), (8, 8 << 20)):
-        loader = DeviceLoader(
-            ThreadLoader(torch.bfloat16, layout), torch.bfloat16, layout, device, arena, readers, chunk, 16
-        )
+    for readers, chunk in ((16, 2 << 20), (16, 4 << 20), (16, 8 << 20), (16, 16 << 20), (8, 4 << 20)):
+        threads = ThreadLoader(torch.bfloat16, layout)
+        loader = DeviceLoader(threads, torch.bfloat16, layout, device, arena, readers, chunk)
         stream = loader._stream
         assert stream is not None
         times: dict[str, list[float]] = {}

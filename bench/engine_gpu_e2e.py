@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from engine import kernels_gemm_lora
+from engine import adapter_device_loader, kernels_gemm_lora
 from engine.adapter_device_loader import DeviceLoader
 from engine.adapter_loader import ProcessLoader
 from engine.config import EngineConfig
@@ -829,7 +829,7 @@ def main() -> None:
         "--loaders",
         default="process,thread",
         help="adapter loaders to compare in sections d and f (process, thread, device; device-host: the device "
-        "loader with no device image kept for first fills)",
+        "loader with no device image kept for first fills; device:MiB, device-host:MiB: its read chunks' size)",
     )
     ap.add_argument(
         "--switch-intervals",
@@ -929,13 +929,21 @@ def main() -> None:
     ]
     if not {"d", "f", "t", "j"}.intersection(args.only):
         configs = []
-    for loader, switch_ms, pinned_mb, workers, fold, row_tile, gemm in configs:
+    default_chunk = adapter_device_loader.CHUNK_BYTES
+    for loader_chunk, switch_ms, pinned_mb, workers, fold, row_tile, gemm in configs:
+        loader, _, chunk_mb = loader_chunk.partition(":")
+        # (read as the engine makes its device loader, with as many chunks as the ring's bytes hold)
+        adapter_device_loader.CHUNK_BYTES = int(chunk_mb) << 20 if chunk_mb else default_chunk
         arena = f", shared arena {pinned_mb} MiB" if loader != "thread" else ""
         resolved = EngineConfig(adapter_loader_workers=workers)
         split = {
             "process": f", {resolved.loader_workers()} workers",
             "device": f", {resolved.reader_threads()} reading threads",
             "device-host": f", {resolved.reader_threads()} reading threads, no device images",
+        }.get(loader, "")
+        split += {
+            "device": f", {adapter_device_loader.CHUNK_BYTES >> 20} MiB chunks",
+            "device-host": f", {adapter_device_loader.CHUNK_BYTES >> 20} MiB chunks",
         }.get(loader, "")
         LOADER = (
             f"{loader} loader, GIL switch {switch_ms or 5:g} ms{arena}{split}, prompts folded up to {fold}, "

@@ -65,7 +65,7 @@ from engine.pinned_arena import PinnedArena
 # One read and one copy to the device. A 32-layer Llama-7B file (153 MiB) took 7.4 ms to read and copy in
 # chunks of 16 MiB by 16 threads, 9.9 ms in chunks of 4 MiB (one H100 host; bench/RESULTS-gpu.md, stop 35).
 CHUNK_BYTES = 16 << 20
-CHUNKS = 12  # page-locked chunks in the ring (192 MiB): the reads run ahead of the copies by this much
+RING_BYTES = 192 << 20  # page-locked chunks in the ring: the reads run ahead of the copies by this much
 MAX_HEADER_BYTES = 100 << 20  # (safetensors refuses larger headers)
 
 
@@ -81,14 +81,18 @@ class DeviceLoader:
         device: torch.device,
         arena: PinnedArena | None = None,
         readers: int = 16,
-        chunk_bytes: int = CHUNK_BYTES,
-        chunks: int = CHUNKS,
+        chunk_bytes: int | None = None,
+        chunks: int | None = None,
     ) -> None:
         """`fallback` checks registrations and loads what this loader cannot (misaligned tensors); `arena`,
-        if given, holds the host images (beyond it, each is pinned alone, on CUDA)."""
+        if given, holds the host images (beyond it, each is pinned alone, on CUDA). The ring has `chunks`
+        chunks of `chunk_bytes` (by default `CHUNK_BYTES`, and as many as `RING_BYTES` holds, read when the
+        loader is made: benches set them)."""
         self._fallback, self._dtype, self._layout, self._device, self._arena = fallback, dtype, layout, device, arena
         self._cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if self._cuda else None
+        chunk_bytes = chunk_bytes or CHUNK_BYTES
+        chunks = chunks or max(1, RING_BYTES // chunk_bytes)
         self._chunk_bytes = chunk_bytes
         # The ring: taken one page-locked buffer at start-up (a cudaHostAlloc stalls the device's streams).
         self._staging = torch.empty(chunks * chunk_bytes, dtype=torch.uint8, pin_memory=self._cuda)
