@@ -5,10 +5,10 @@ file, parses its header, converts to the engine's dtype and checks the values, a
 GPU in a slot fill. At Llama-7B dims (32 layers, rank 16 on all seven projections, an fp32 file of 153 MiB)
 that took 14.5 ms on an H100 host. Reading the file's bytes as stored by 16 threads into page-locked memory,
 each share copied to the GPU as soon as it was read, and converting and checking there took 0.47x of it
-(bench/adapter_upload_paths.py; bench/RESULTS-gpu.md, stop 34). This loader is built on that path. Measured
-itself (stop 35, one H100) it is no faster than the loader processes: a load on its own took 0.87-0.98x of
-their time, and inside the engine, where its threads wait for the GIL the step loop holds, hot swap (f) took
-0.98-0.99x. So it is an option (`--adapter-loader device`), not the default.
+(bench/adapter_upload_paths.py; bench/RESULTS-gpu.md, stop 34). This loader is built on that path. Inside the
+engine (stop 36, one H100, side by side in three runs) its loads of that file took 0.62-0.64x the loader
+processes' and hot swap (f) 0.75-0.96x, with others' inter-token latency during cold joins no worse. It is an
+option (`--adapter-loader device`), not yet the default: the engine's GPU tests have not run with it as one.
 
 `DeviceLoader` loads so:
 1. the weights file's header is read (`stored_tensors`: safetensors parses and validates it);
@@ -62,8 +62,9 @@ from engine.config import ModelArch
 from engine.lora import AdapterWeights, LayerCopies, SlotLayout, image_groups
 from engine.pinned_arena import PinnedArena
 
-# One read and one copy to the device. A 32-layer Llama-7B file (153 MiB) took 7.4 ms to read and copy in
-# chunks of 16 MiB by 16 threads, 9.9 ms in chunks of 4 MiB (one H100 host; bench/RESULTS-gpu.md, stop 35).
+# One read and one copy to the device. A 32-layer Llama-7B file (153 MiB) took 7.4-7.6 ms to read and copy in
+# chunks of 16 MiB by 16 threads, 11.4 ms in 8 MiB, 12.3 ms in 4 MiB and 23.0 ms in 2 MiB ones: each chunk costs
+# its own Python under the GIL the readers share (one H100 host; bench/RESULTS-gpu.md, stops 35 and 36).
 CHUNK_BYTES = 16 << 20
 RING_BYTES = 192 << 20  # page-locked chunks in the ring: the reads run ahead of the copies by this much
 MAX_HEADER_BYTES = 100 << 20  # (safetensors refuses larger headers)
