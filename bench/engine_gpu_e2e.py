@@ -932,6 +932,8 @@ def main() -> None:
     default_chunk = adapter_device_loader.CHUNK_BYTES
     for loader_chunk, switch_ms, pinned_mb, workers, fold, row_tile, gemm in configs:
         loader, _, chunk_mb = loader_chunk.partition(":")
+        if chunk_mb and loader not in ("device", "device-host"):
+            raise SystemExit(f"--loaders {loader_chunk}: only the device loader reads in chunks")
         # (read as the engine makes its device loader, with as many chunks as the ring's bytes hold)
         adapter_device_loader.CHUNK_BYTES = int(chunk_mb) << 20 if chunk_mb else default_chunk
         arena = f", shared arena {pinned_mb} MiB" if loader != "thread" else ""
@@ -973,6 +975,7 @@ def main() -> None:
         eng.stop()
         del eng
         free_gpu_memory()
+    adapter_device_loader.CHUNK_BYTES = default_chunk  # (e)'s engines read as the engine's default does
     if "e" in args.only:
         section_zipf(b, prompt, args.zipf_requests, args.zipf_rate, args.zipf_pinned_mb)
     print("\n== summary ==")

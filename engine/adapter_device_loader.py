@@ -11,7 +11,8 @@ processes' and hot swap (f) 0.75-0.96x, with others' inter-token latency during 
 option (`--adapter-loader device`), not yet the default: the engine's GPU tests have not run with it as one.
 
 `DeviceLoader` loads so:
-1. the weights file's header is read (`stored_tensors`: safetensors parses and validates it);
+1. the weights file's header is read (`stored_tensors`: safetensors parses and validates it), unless the file's
+   stored header and size equal the last load's, whose plan (step 3) is then reused as it is;
 2. `readers` threads `os.preadv` the data, a chunk at a time, into a ring of page-locked chunks, and each
    chunk is copied to the GPU on the loader's stream as soon as it is read;
 3. one multi-tensor copy places every tensor in a device image in slot layout, converted to the engine's
@@ -167,8 +168,11 @@ class DeviceLoader:
     def close(self) -> None:
         self._closed.set()  # reads not yet started fail at once
         self._readers.shutdown(wait=False, cancel_futures=True)
-        # A load in flight may still queue a copy into the arena, which the engine closes next: wait for it.
+        # A load in flight may still queue a copy into the arena, which the engine closes next: wait for it, and
+        # for the copies back to the host that loads handed over leave in flight.
         self._loads.shutdown(wait=True, cancel_futures=True)
+        if self._stream is not None:
+            self._stream.synchronize()
         self._fallback.close()
 
     # -- one load (on the load thread) ------------------------------------------------------------------
@@ -182,20 +186,30 @@ class DeviceLoader:
             raise AdapterError(f"{folder}: cannot load {WEIGHTS_FILE} ({exc})") from exc
         with handle, self._on_stream():
             fd = handle.fileno()
-            header, file_size = stored_header(fd), os.fstat(fd).st_size
+            try:
+                header, file_size = stored_header(fd), os.fstat(fd).st_size
+            except OSError as exc:
+                raise AdapterError(f"{folder}: cannot load {WEIGHTS_FILE} ({exc})") from exc
             plan = self._plan
             if plan is None or not plan.laid_out_as(spec, header, file_size):
                 try:
                     stored = stored_tensors(folder, handle)
+                    # The parse opened the file by its path: rewritten in place since the header was read, the
+                    # layout it found is not that header's, and a plan tagged with it would serve later files
+                    # of that header wrong offsets. Such a plan is not tagged (the next load parses again).
+                    if (stored_header(fd), os.fstat(fd).st_size) != (header, file_size):
+                        header = None
                 except AdapterError:
                     raise
-                except Exception as exc:  # SafetensorError: a header that no longer parses
+                except Exception as exc:  # SafetensorError: a header that no longer parses; OSError
                     raise AdapterError(f"{folder}: cannot load {WEIGHTS_FILE} ({exc})") from exc
                 if not stored or any(t.offset % t.dtype.itemsize for t in stored):
                     return None
                 start = stored[0].offset
-                plan = self._plan_for(spec, stored, start, file_size - start, header)
-            self._read(fd, folder, file_size - plan.raw.numel(), plan.raw)
+                plan = self._plan_for(spec, stored, start, sum(t.nbytes for t in stored), header)
+            else:
+                start = file_size - plan.raw.numel()
+            self._read(fd, folder, start, plan.raw)
             return self._place(spec, plan)
 
     def _on_stream(self) -> contextlib.AbstractContextManager[object]:
@@ -256,9 +270,12 @@ class DeviceLoader:
         for t in stored:
             layer_of(folder, t.name, self._layout.num_layers)  # AdapterError for a name or layer we lack
         raw = torch.empty(size, dtype=torch.uint8, device=self._device)
-        views = {
-            t.name: raw[t.offset - start : t.offset - start + t.nbytes].view(t.dtype).view(t.shape) for t in stored
-        }
+        try:
+            views = {
+                t.name: raw[t.offset - start : t.offset - start + t.nbytes].view(t.dtype).view(t.shape) for t in stored
+            }
+        except RuntimeError as exc:  # (not expected: `stored` lies back to back within `size`)
+            raise AdapterError(f"{folder}: cannot load {WEIGHTS_FILE} ({exc})") from exc
         tensors = pair_tensors(folder, views)
         check_registered(spec, tensors)
         groups = image_groups(spec.modules)

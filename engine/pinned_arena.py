@@ -70,8 +70,9 @@ class PinnedArena:
             return sum(count for _, count in self._free)
 
     def fits(self, numel: int, dtype: torch.dtype) -> bool:
-        """Whether `take(numel, dtype)` would find an extent now. Extents given back with a stream count once
-        the copies queued on it before have run (waited for here: a fill takes about a millisecond)."""
+        """Whether `take(numel, dtype)` would find an extent now. Extents given back with a stream (or a copy
+        into them in flight, `written`) count once those copies have run (waited for here: a fill takes about a
+        millisecond)."""
         count = self._pages(numel * dtype.itemsize)
         with self._lock:
             self._reclaim()

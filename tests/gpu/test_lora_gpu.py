@@ -63,9 +63,12 @@ def test_a_packed_fill_turns_b_rank_major_on_the_gpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("file_dtype", [torch.float32, torch.bfloat16])
-def test_the_device_loader_gives_the_image_the_thread_loader_packs(file_dtype: torch.dtype, tmp_path: Path) -> None:
+def test_the_device_loader_gives_the_image_the_thread_loader_packs(
+    file_dtype: torch.dtype, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Read by threads into page-locked chunks, copied to the GPU a chunk at a time, placed and converted there
-    and copied back: the host image must be, bit for bit, what the host packs; a non-finite value fails it."""
+    and copied back: the host image must be, bit for bit, what the host packs; a non-finite value fails it. The
+    copy back is held up on the device here, so that a fill from the host image must wait for it."""
     from safetensors.torch import load_file, save_file
 
     from engine.adapter_device_loader import DeviceLoader
@@ -82,8 +85,22 @@ def test_the_device_loader_gives_the_image_the_thread_loader_packs(file_dtype: t
     arena = PinnedArena(4 << 20, page_bytes=4096)
     threads = ThreadLoader(torch.bfloat16, stacks.layout)
     loader = DeviceLoader(threads, torch.bfloat16, stacks.layout, torch.device("cuda"), arena, 4, 4096, 3)
+    recorded = DeviceLoader._record
+
+    def copy_back_held_up(self: DeviceLoader) -> torch.cuda.Event | None:
+        event = recorded(self)
+        if event is not None and self._stream is not None and not getattr(self, "_held", False):
+            self._held = True  # the first event of a load (`checked`): the copy back queues behind a sleep
+            with torch.cuda.stream(self._stream):
+                torch.cuda._sleep(200_000_000)  # (clock cycles: on the order of 0.1 s)
+        else:
+            self._held = False
+        return event
+
+    monkeypatch.setattr(DeviceLoader, "_record", copy_back_held_up)
     try:
         got = loader.submit(spec).result(60)
+        assert got.host_ready is not None and not got.host_ready.query()  # handed over before the copy back
         # At once, while the copy back to the host may still run (`host_ready`): a fill from the host image
         # waits for it on the device, and puts in the slot what a fill from the device image puts.
         stacks.set_lora(1, dataclasses.replace(got, device_packed=None))

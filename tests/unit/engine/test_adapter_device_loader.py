@@ -17,7 +17,7 @@ from typing import BinaryIO
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 
 from engine import adapter_device_loader
 from engine.adapter_device_loader import DeviceLoader, stored_header
@@ -562,3 +562,63 @@ def test_the_header_read_is_the_stored_length_and_json(tmp_path: Path) -> None:
     length = struct.unpack("<Q", data[:8])[0]
     with (folder / WEIGHTS_FILE).open("rb") as handle:
         assert stored_header(handle.fileno()) == data[: 8 + length]
+
+
+def _stored_as(folder: Path, dtype: torch.dtype, metadata_pad: int = 0) -> bytes:
+    tensors = {k: v.to(dtype) for k, v in load_file(str(folder / WEIGHTS_FILE)).items()}
+    return save(tensors, metadata={"pad": "x" * metadata_pad} if metadata_pad else None)
+
+
+def _fp16_and_bf16_files_of_one_size(folder: Path) -> tuple[bytes, bytes]:
+    """`folder`'s adapter stored in float16 and in bfloat16, the float16 file's header padded to the same size."""
+    bf16 = _stored_as(folder, torch.bfloat16)
+    for pad in range(1, 200):
+        if len(fp16 := _stored_as(folder, torch.float16, pad)) == len(bf16):
+            return fp16, bf16
+    raise AssertionError("no padding gives the two files one size")
+
+
+def _rewrite_in_place(folder: Path, data: bytes) -> None:
+    with (folder / WEIGHTS_FILE).open("r+b") as f:  # the same inode, as writers that open with "wb" keep it
+        f.write(data)
+        f.truncate()
+
+
+def test_a_file_rewritten_in_place_as_its_header_is_parsed_leaves_no_plan_for_that_header(
+    loader: DeviceLoader, layout: SlotLayout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The header is read from the open file, the parse opens it again by its path. A float16 file rewritten in
+    between as bfloat16 of the same size, rank and projections was parsed as bfloat16, and the plan was tagged
+    with the float16 header: the next float16 file written alike was then read as bfloat16, every value wrong
+    and finite (review of stop 36)."""
+    a = write_adapter(tmp_path / "a", rank=4, modules=ALL7, seed=1)
+    fp16, bf16 = _fp16_and_bf16_files_of_one_size(a)
+    _rewrite_in_place(a, fp16)
+    spec_a = read_spec(a, TINY, 8)
+    rewritten: list[Path] = []
+
+    def rewrite_then_parse(folder: Path, handle: BinaryIO) -> list[StoredTensor]:
+        if not rewritten:
+            rewritten.append(folder)
+            _rewrite_in_place(folder, bf16)
+        return stored_tensors(folder, handle)
+
+    monkeypatch.setattr(adapter_device_loader, "stored_tensors", rewrite_then_parse)
+    loader.submit(spec_a).result(30)
+    assert rewritten == [a]
+    b = write_adapter(tmp_path / "b", rank=4, modules=ALL7, seed=2)
+    _rewrite_in_place(b, _fp16_and_bf16_files_of_one_size(b)[0])
+    spec_b = read_spec(b, TINY, 8)
+    _same(loader.submit(spec_b).result(30), _thread_load(spec_b, layout))
+
+
+def test_a_header_that_cannot_be_read_fails_with_an_adapter_error(
+    loader: DeviceLoader, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def unreadable(fd: int) -> bytes | None:
+        raise OSError(5, "Input/output error")
+
+    spec = read_spec(write_adapter(tmp_path / "a", rank=4), TINY, 8)
+    monkeypatch.setattr(adapter_device_loader, "stored_header", unreadable)
+    with pytest.raises(AdapterError, match="Input/output error"):
+        loader.submit(spec).result(30)
