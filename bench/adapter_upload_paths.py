@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from bench.adapter_loading import ALL7, LLAMA_7B_16
-from engine.adapter_device_loader import DeviceLoader, stored_header
+from engine.adapter_device_loader import DeviceLoader
 from engine.adapter_loader import AdapterLoader, ProcessLoader, ThreadLoader
-from engine.adapters import WEIGHTS_FILE, AdapterSpec, read_spec, stored_tensors
+from engine.adapters import WEIGHTS_FILE, AdapterSpec, read_spec
 from engine.lora import LoRAStacks, SlotLayout, image_groups
 from engine.pinned_arena import PinnedArena
 from tests.unit.engine.tiny import write_adapter
@@ -175,15 +175,11 @@ def device_loader_phases(folder: Path, spec: AdapterSpec, layout: SlotLayout, ar
         for i in range(rounds + 2):
             marks = [time.perf_counter()]
             with (folder / WEIGHTS_FILE).open("rb") as handle, torch.cuda.stream(stream):
-                fd = handle.fileno()
-                header, size = stored_header(fd), os.fstat(fd).st_size
-                plan = loader._plan
-                if plan is None or not plan.laid_out_as(spec, header, size):  # (the first load's)
-                    stored = stored_tensors(folder, handle)
-                    start = stored[0].offset
-                    plan = loader._plan_for(spec, stored, start, size - start, header)
+                found = loader._plan_of(spec, handle)  # (parsed on the first load, reused after)
+                assert found is not None
+                plan, start = found
                 marks.append(time.perf_counter())
-                loader._read(fd, folder, size - plan.raw.numel(), plan.raw)
+                loader._read(handle.fileno(), folder, start, plan.raw)
                 stream.synchronize()
                 marks.append(time.perf_counter())
                 plan.copies.run()

@@ -44,6 +44,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -185,32 +186,40 @@ class DeviceLoader:
         except OSError as exc:
             raise AdapterError(f"{folder}: cannot load {WEIGHTS_FILE} ({exc})") from exc
         with handle, self._on_stream():
-            fd = handle.fileno()
-            try:
-                header, file_size = stored_header(fd), os.fstat(fd).st_size
-            except OSError as exc:
-                raise AdapterError(f"{folder}: cannot load {WEIGHTS_FILE} ({exc})") from exc
-            plan = self._plan
-            if plan is None or not plan.laid_out_as(spec, header, file_size):
-                try:
-                    stored = stored_tensors(folder, handle)
-                    # The parse opened the file by its path: rewritten in place since the header was read, the
-                    # layout it found is not that header's, and a plan tagged with it would serve later files
-                    # of that header wrong offsets. Such a plan is not tagged (the next load parses again).
-                    if (stored_header(fd), os.fstat(fd).st_size) != (header, file_size):
-                        header = None
-                except AdapterError:
-                    raise
-                except Exception as exc:  # SafetensorError: a header that no longer parses; OSError
-                    raise AdapterError(f"{folder}: cannot load {WEIGHTS_FILE} ({exc})") from exc
-                if not stored or any(t.offset % t.dtype.itemsize for t in stored):
-                    return None
-                start = stored[0].offset
-                plan = self._plan_for(spec, stored, start, sum(t.nbytes for t in stored), header)
-            else:
-                start = file_size - plan.raw.numel()
-            self._read(fd, folder, start, plan.raw)
+            found = self._plan_of(spec, handle)
+            if found is None:
+                return None
+            plan, start = found
+            self._read(handle.fileno(), folder, start, plan.raw)
             return self._place(spec, plan)
+
+    def _plan_of(self, spec: AdapterSpec, handle: BinaryIO) -> tuple[_Plan, int] | None:
+        """The plan for the weights file `handle` has open, and where its tensors' data starts; None when the
+        file is the fallback's to load (tensors not aligned to their dtype). The last plan, unparsed, if the
+        file's stored header and size are the last load's (`_Plan.laid_out_as`); else from the parsed header."""
+        folder, fd = spec.path, handle.fileno()
+        try:
+            header, file_size = stored_header(fd), os.fstat(fd).st_size
+        except OSError as exc:
+            raise AdapterError(f"{folder}: cannot load {WEIGHTS_FILE} ({exc})") from exc
+        plan = self._plan
+        if plan is not None and plan.laid_out_as(spec, header, file_size):
+            return plan, file_size - plan.raw.numel()
+        try:
+            stored = stored_tensors(folder, handle)
+            # The parse opened the file by its path: rewritten in place since the header was read, the layout
+            # it found is not that header's, and a plan tagged with it would serve later files of that header
+            # wrong offsets. Such a plan is not tagged (the next load parses again).
+            if (stored_header(fd), os.fstat(fd).st_size) != (header, file_size):
+                header = None
+        except AdapterError:
+            raise
+        except Exception as exc:  # SafetensorError: a header that no longer parses; OSError
+            raise AdapterError(f"{folder}: cannot load {WEIGHTS_FILE} ({exc})") from exc
+        if not stored or any(t.offset % t.dtype.itemsize for t in stored):
+            return None
+        start = stored[0].offset
+        return self._plan_for(spec, stored, start, sum(t.nbytes for t in stored), header), start
 
     def _on_stream(self) -> contextlib.AbstractContextManager[object]:
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
@@ -247,10 +256,7 @@ class DeviceLoader:
                 done += got
             with self._on_stream():
                 raw[lo:hi].copy_(self._staging[base : base + hi - lo], non_blocking=self._cuda)
-                if self._stream is not None:
-                    event = torch.cuda.Event()
-                    event.record(self._stream)
-                    self._copied[index] = event
+            self._copied[index] = self._record()
         finally:
             self._free.put(index)
 
