@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 import torch
 
@@ -260,16 +260,28 @@ def make_loader(
     stacks) reads files by threads and converts them on the GPU (`DeviceLoader`), with loader processes (one
     loading, one checking) for checks and for the files it leaves to others.
     """
-    in_processes = device.type == "cuda" if config.adapter_loader == "auto" else config.adapter_loader != "thread"
-    if not in_processes:
+    kind = loader_kind(config.adapter_loader, device, fused=layout is not None)
+    if config.adapter_loader == "device" and kind != "device":
+        log.warning("--adapter-loader device places fused slot images; these stacks are not fused: loader processes")
+    if kind == "thread":
         return ThreadLoader(dtype, layout), None
     arena = _shared_arena(device, config.pinned_adapter_memory_mb)
-    if config.adapter_loader == "device" and layout is not None:
+    if kind == "device":
         from engine.adapter_device_loader import DeviceLoader  # (which imports this module)
 
+        assert layout is not None
         fallback = ProcessLoader(dtype, layout, 1, arena)
         return DeviceLoader(fallback, dtype, layout, device, arena, config.reader_threads()), arena
     return ProcessLoader(dtype, layout, config.loader_workers(), arena), arena
+
+
+def loader_kind(asked: str, device: torch.device, fused: bool) -> Literal["thread", "process", "device"]:
+    """The loader that `--adapter-loader asked` means on `device`, with the stacks `fused` or not: "auto" is
+    loader processes on a GPU and threads on a CPU; "device" without fused stacks (it places fused slot images)
+    falls back to loader processes."""
+    if asked == "thread" or (asked == "auto" and device.type != "cuda"):
+        return "thread"
+    return "device" if asked == "device" and fused else "process"
 
 
 def _shared_arena(device: torch.device, megabytes: int) -> PinnedArena | None:

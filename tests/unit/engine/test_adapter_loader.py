@@ -380,3 +380,21 @@ def test_a_worker_replaced_as_dead_leaves_its_queued_tasks_to_end_not_cancelled(
         assert [f.result(60) for f in queued[1:]] == [7] * 4
     finally:
         loader.close()
+
+
+@pytest.mark.parametrize(
+    ("asked", "device", "fused", "kind"),
+    [
+        ("auto", "cuda", True, "process"),
+        ("auto", "cuda", False, "process"),
+        ("auto", "cpu", True, "thread"),
+        ("auto", "cpu", False, "thread"),
+        ("process", "cuda", True, "process"),
+        ("process", "cpu", False, "process"),
+        ("thread", "cuda", True, "thread"),
+        ("device", "cuda", True, "device"),
+        ("device", "cuda", False, "process"),  # the device loader places fused slot images only
+    ],
+)
+def test_the_loader_each_setting_means(asked: str, device: str, fused: bool, kind: str) -> None:
+    assert loader_module.loader_kind(asked, torch.device(device), fused=fused) == kind
