@@ -62,6 +62,17 @@ LLAMA_7B_16 = ModelArch("llama", 49152, 4096, 11008, 16, 32, 32, 128, 1e4, 1e-5,
 ALL7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def llama_7b_adapter_file() -> tuple[ModelArch, Path]:
+    """All 32 layers of a Llama-7B-shaped PEFT adapter (rank 16 on all seven projections, fp32: 153 MiB), drawn
+    on the GPU and written to a temporary folder: its architecture and the folder. The upload benches read its
+    weights file once first, so that it sits in the page cache as a new version's file does."""
+    arch = dataclasses.replace(LLAMA_7B_16, num_layers=32)
+    folder = write_adapter(
+        Path(tempfile.mkdtemp()) / "a", arch=arch, rank=16, alpha=16, modules=ALL7, seed=9, device="cuda"
+    )
+    return arch, folder
+
+
 def gaps_while(work: threading.Thread | None, seconds: float) -> list[float]:
     """Gaps between iterations of a loop of small torch calls, while `work` runs (or for `seconds`)."""
     x = torch.randn(64, 64)

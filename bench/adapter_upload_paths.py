@@ -30,7 +30,6 @@ import os
 import statistics
 import struct
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -41,13 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from bench.adapter_loading import ALL7, LLAMA_7B_16
+from bench.adapter_loading import llama_7b_adapter_file
 from engine.adapter_device_loader import DeviceLoader
 from engine.adapter_loader import AdapterLoader, ProcessLoader, ThreadLoader
 from engine.adapters import WEIGHTS_FILE, AdapterSpec, read_spec
 from engine.lora import LoRAStacks, SlotLayout, image_groups
 from engine.pinned_arena import PinnedArena
-from tests.unit.engine.tiny import write_adapter
 
 CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the map is PROT_READ
 ENGINE = "engine: + 80 MB image to GPU"
@@ -220,10 +218,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA")
-    arch = dataclasses.replace(LLAMA_7B_16, num_layers=32)
-    folder = write_adapter(
-        Path(tempfile.mkdtemp()) / "a", arch=arch, rank=16, alpha=16, modules=ALL7, seed=9, device="cuda"
-    )
+    arch, folder = llama_7b_adapter_file()
     path = folder / "adapter_model.safetensors"
     raw = path.read_bytes()  # (and so into the page cache)
     (header,) = struct.unpack("<Q", raw[:8])

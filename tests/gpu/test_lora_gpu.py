@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from engine.adapters import load_adapter, read_spec
-from engine.lora import LoRAStacks
+from engine.adapters import AdapterSpec, load_adapter, read_spec
+from engine.lora import AdapterWeights, LoRAStacks
 from tests.unit.engine.tiny import TINY, write_adapter
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -85,18 +86,27 @@ def test_the_device_loader_gives_the_image_the_thread_loader_packs(
     arena = PinnedArena(4 << 20, page_bytes=4096)
     threads = ThreadLoader(torch.bfloat16, stacks.layout)
     loader = DeviceLoader(threads, torch.bfloat16, stacks.layout, torch.device("cuda"), arena, 4, 4096, 3)
-    recorded = DeviceLoader._record
+    recorded, placed = DeviceLoader._record, DeviceLoader._place
+    placing: list[bool] = []
+
+    def place(self: DeviceLoader, spec: AdapterSpec, plan: Any) -> AdapterWeights:
+        placing.append(True)
+        try:
+            return placed(self, spec, plan)
+        finally:
+            placing.clear()
 
     def copy_back_held_up(self: DeviceLoader) -> torch.cuda.Event | None:
+        # Reads record events too: only `_place`'s first (`checked`) is followed by a sleep, so that the copy
+        # back queues behind it.
         event = recorded(self)
-        if event is not None and self._stream is not None and not getattr(self, "_held", False):
-            self._held = True  # the first event of a load (`checked`): the copy back queues behind a sleep
+        if placing and self._stream is not None:
+            placing.clear()
             with torch.cuda.stream(self._stream):
                 torch.cuda._sleep(200_000_000)  # (clock cycles: on the order of 0.1 s)
-        else:
-            self._held = False
         return event
 
+    monkeypatch.setattr(DeviceLoader, "_place", place)
     monkeypatch.setattr(DeviceLoader, "_record", copy_back_held_up)
     try:
         got = loader.submit(spec).result(60)
