@@ -392,6 +392,7 @@ def test_a_worker_replaced_as_dead_leaves_its_queued_tasks_to_end_not_cancelled(
         ("process", "cuda", True, "process"),
         ("process", "cpu", False, "process"),
         ("thread", "cuda", True, "thread"),
+        ("thread", "cpu", True, "thread"),
         ("device", "cuda", True, "device"),
         ("device", "cuda", False, "process"),  # the device loader places fused slot images only
     ],
