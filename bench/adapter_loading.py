@@ -143,9 +143,7 @@ def main() -> None:
 
     def load_all(loader: AdapterLoader, batch: list) -> None:  # type: ignore[type-arg]
         for future in [loader.submit(s) for s in batch]:
-            weights = future.result()
-            if weights.packed is not None:  # (False for images outside the arena)
-                arena.give_back(weights.packed, written=weights.host_ready)
+            future.result().give_back_host_image(arena)  # (False for images outside the arena)
 
     for loader in loaders.values():  # start workers, first imports
         load_all(loader, specs(2))
@@ -275,7 +273,7 @@ def split_loads_by_queue(args: argparse.Namespace, tmp: Path) -> dict[str, tuple
             start = time.perf_counter()
             weights = loader.submit(spec).result()
             took = time.perf_counter() - start
-            assert weights.packed is not None and arena.give_back(weights.packed, written=weights.host_ready)
+            assert weights.give_back_host_image(arena)
             starts = [part.result()[0] for part in parts]  # type: ignore[index]
             if i:
                 times[name][0].append(took)

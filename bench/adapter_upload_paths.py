@@ -197,7 +197,7 @@ def device_loader_phases(folder: Path, spec: AdapterSpec, layout: SlotLayout, ar
             weights = loader.submit(spec).result()
             assert weights.packed is not None
             marks.append(marks[-1] + time.perf_counter() - whole)  # (so the last pair spans the submit alone)
-            arena.give_back(weights.packed, written=weights.host_ready)
+            weights.give_back_host_image(arena)
             if i >= 2:
                 names = ("header + plan", "reads + copies to the GPU", "placement", "host image back", "device clone")
                 for name, (a, b) in zip((*names, "one whole submit"), itertools.pairwise(marks), strict=True):

@@ -943,10 +943,8 @@ def main() -> None:
             "device": f", {resolved.reader_threads()} reading threads",
             "device-host": f", {resolved.reader_threads()} reading threads, no device images",
         }.get(loader, "")
-        split += {
-            "device": f", {adapter_device_loader.CHUNK_BYTES >> 20} MiB chunks",
-            "device-host": f", {adapter_device_loader.CHUNK_BYTES >> 20} MiB chunks",
-        }.get(loader, "")
+        if loader in ("device", "device-host"):
+            split += f", {adapter_device_loader.CHUNK_BYTES >> 20} MiB chunks"
         LOADER = (
             f"{loader} loader, GIL switch {switch_ms or 5:g} ms{arena}{split}, prompts folded up to {fold}, "
             f"LoRA GEMM row tile up to {row_tile}, lora_gemm {gemm}"

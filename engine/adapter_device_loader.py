@@ -163,8 +163,8 @@ class DeviceLoader:
         extent goes back to the arena."""
         if outer.set_running_or_notify_cancel():
             outer.set_result(weights)
-        elif weights.packed is not None and self._arena is not None:
-            self._arena.give_back(weights.packed, written=weights.host_ready)
+        elif self._arena is not None:
+            weights.give_back_host_image(self._arena)
 
     def close(self) -> None:
         self._closed.set()  # reads not yet started fail at once
@@ -373,9 +373,5 @@ class _Plan:
             header is not None
             and header == self.header
             and file_size == self.file_size
-            and (
-                spec.rank,
-                spec.modules,
-            )
-            == self.key[:2]
+            and (spec.rank, spec.modules) == self.key[:2]
         )

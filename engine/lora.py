@@ -14,10 +14,14 @@ import math
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.config import ModelArch
+
+if TYPE_CHECKING:
+    from engine.pinned_arena import PinnedArena
 
 # Projections that share an input, applied together: (group -> members, in fused output column order).
 PROJECTION_GROUPS: dict[str, tuple[str, ...]] = {
@@ -48,8 +52,14 @@ class AdapterWeights:
     device_packed: torch.Tensor | None = None
     # Passed once `packed` is written, where a copy into it was still in flight when the weights were handed
     # over (the device loader's copy back from the GPU): fills wait for it on the device, and the arena
-    # reuses the extent only after it (`PinnedArena.give_back`'s `written`). None: written already.
+    # reuses the extent only after it (`give_back_host_image`). None: written already.
     host_ready: torch.cuda.Event | None = None
+
+    def give_back_host_image(self, arena: PinnedArena, stream: torch.cuda.Stream | None = None) -> bool:
+        """`packed`'s extent back to `arena` (False if there is none, or the arena did not hand it out), reused
+        once a copy into it still in flight (`host_ready`), and with `stream` the work queued on it so far
+        (copies out of it), have run."""
+        return self.packed is not None and arena.give_back(self.packed, stream, self.host_ready)
 
     @property
     def nbytes(self) -> int:

@@ -212,9 +212,8 @@ class AdapterPool:
         def give_back(done: Future[AdapterWeights]) -> None:
             if done.cancelled() or done.exception() is not None:
                 return
-            weights = done.result()
-            if weights.packed is not None and self._arena is not None:
-                self._arena.give_back(weights.packed, written=weights.host_ready)
+            if self._arena is not None:
+                done.result().give_back_host_image(self._arena)
 
         future.add_done_callback(give_back)
 
@@ -573,6 +572,6 @@ class AdapterPool:
     def _discard_weights(self, version: AdapterVersion) -> None:
         version.wanted = False  # a request still waiting asks again (`ready`)
         weights, version.weights = version.weights, None
-        if weights is not None and weights.packed is not None and self._arena is not None:
+        if weights is not None and self._arena is not None:
             # Copies into a slot may still read the image: the arena reuses it once they have run.
-            self._arena.give_back(weights.packed, self._stacks.copy_stream, weights.host_ready)
+            weights.give_back_host_image(self._arena, self._stacks.copy_stream)
