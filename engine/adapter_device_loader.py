@@ -7,8 +7,8 @@ that took 14.5 ms on an H100 host. Reading the file's bytes as stored by 16 thre
 each share copied to the GPU as soon as it was read, and converting and checking there took 0.47x of it
 (bench/adapter_upload_paths.py; bench/RESULTS-gpu.md, stop 34). This loader is built on that path. Inside the
 engine (stop 36, one H100, side by side in three runs) its loads of that file took 0.62-0.64x the loader
-processes' and hot swap (f) 0.75-0.96x, with others' inter-token latency during cold joins no worse. It is an
-option (`--adapter-loader device`), not yet the default: the engine's GPU tests have not run with it as one.
+processes' and hot swap (f) 0.75-0.96x, with others' inter-token latency during cold joins no worse. It is the
+GPU default (`--adapter-loader auto`, or `device`).
 
 `DeviceLoader` loads so:
 1. the weights file's header is read (`stored_tensors`: safetensors parses and validates it), unless the file's

@@ -255,10 +255,12 @@ def make_loader(
 ) -> tuple[AdapterLoader, PinnedArena | None]:
     """The loader `config.adapter_loader` asks for, and the shared page-locked arena it writes into, if any.
 
-    On "auto", loader processes keep adapter loads off a GPU engine's GIL-bound step loop (RESULTS-gpu.md,
-    section d); a CPU engine's loop is bound by its matmuls, and threads start faster. "device" (CUDA, fused
-    stacks) reads files by threads and converts them on the GPU (`DeviceLoader`), with loader processes (one
-    loading, one checking) for checks and for the files it leaves to others.
+    "device" (CUDA, fused stacks) reads files by threads and converts them on the GPU (`DeviceLoader`), with
+    loader processes (one loading, one checking) for checks and for the files it leaves to others. "auto" takes
+    it on a GPU: its loads measured 0.62-0.64x the loader processes' on one H100, hot swaps 0.75-0.96x, with
+    others' p99 during loads no worse (RESULTS-gpu.md, stop 36). Loader processes alone ("process") keep every
+    load off a GPU engine's GIL-bound step loop; a CPU engine's loop is bound by its matmuls, and threads start
+    faster there.
     """
     kind = loader_kind(config.adapter_loader, device, fused=layout is not None)
     if config.adapter_loader == "device" and kind != "device":
@@ -277,11 +279,11 @@ def make_loader(
 
 def loader_kind(asked: str, device: torch.device, fused: bool) -> Literal["thread", "process", "device"]:
     """The loader that `--adapter-loader asked` means on `device`, with the stacks `fused` or not: "auto" is
-    loader processes on a GPU and threads on a CPU; "device" without fused stacks (it places fused slot images)
-    falls back to loader processes."""
+    the device loader on a GPU and threads on a CPU; "device" (or "auto") without fused stacks (it places fused
+    slot images) falls back to loader processes."""
     if asked == "thread" or (asked == "auto" and device.type != "cuda"):
         return "thread"
-    return "device" if asked == "device" and fused else "process"
+    return "device" if asked in ("device", "auto") and fused else "process"
 
 
 def _shared_arena(device: torch.device, megabytes: int) -> PinnedArena | None:

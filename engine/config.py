@@ -34,8 +34,8 @@ class EngineConfig:
     host_adapter_cache: int = 64  # adapters kept loaded in host memory
     adapter_eviction: str = "frequency"  # LoRA slots: frequency (decayed frequency, recency, pinning) | lru
     # Where adapter files are read: thread | process (keeps the GIL free) | device (CUDA: threads read the file's
-    # bytes as stored, the GPU converts and checks them; engine/adapter_device_loader.py) | auto (process on
-    # CUDA, else thread)
+    # bytes as stored, the GPU converts and checks them; engine/adapter_device_loader.py) | auto (device on
+    # CUDA with fused stacks, process on CUDA without, else thread)
     adapter_loader: str = "auto"
     # Loader processes; with the shared arena one load is split over all of them by layers. 0 = auto: half
     # the cores, 2 to 8. With the device loader: its reading threads (0 = auto: the cores, 2 to 16).

@@ -385,7 +385,7 @@ def test_a_worker_replaced_as_dead_leaves_its_queued_tasks_to_end_not_cancelled(
 @pytest.mark.parametrize(
     ("asked", "device", "fused", "kind"),
     [
-        ("auto", "cuda", True, "process"),
+        ("auto", "cuda", True, "device"),  # the GPU default: read by threads, converted on the device
         ("auto", "cuda", False, "process"),
         ("auto", "cpu", True, "thread"),
         ("auto", "cpu", False, "thread"),
