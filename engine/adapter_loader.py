@@ -257,8 +257,8 @@ def make_loader(
 
     "device" (CUDA, fused stacks) reads files by threads and converts them on the GPU (`DeviceLoader`), with
     loader processes (one loading, one checking) for checks and for the files it leaves to others. "auto" takes
-    it on a GPU: its loads measured 0.62-0.64x the loader processes' on one H100, hot swaps 0.75-0.96x, with
-    others' p99 during loads no worse (RESULTS-gpu.md, stop 36). Loader processes alone ("process") keep every
+    it on a GPU: its loads measured 0.41-0.64x the loader processes' on one H100, hot swaps 0.62-0.96x, with
+    others' p99 during loads no worse (RESULTS-gpu.md, stops 36 and 38). Loader processes alone ("process") keep every
     load off a GPU engine's GIL-bound step loop; a CPU engine's loop is bound by its matmuls, and threads start
     faster there.
     """
