@@ -6,14 +6,15 @@ The step loop is stood in for by a loop of short torch calls on the main thread,
 Python step loop does between graph replays. Each round runs it idle, then while `--adapters`
 SmolLM2-135M-shaped adapters (rank 16 on all seven projections, fp32 files of ~20 MB) load through the
 engine's `ThreadLoader`, its `ProcessLoader` handing results back, its `ProcessLoader` writing into a
-shared arena (a GPU engine's default), and its `DeviceLoader` (threads of this process read the files, the GPU
-converts and places them; without a GPU the CPU does), packed into the slot layout like a GPU engine's loads.
+shared arena (`--adapter-loader process` on a GPU), and its `DeviceLoader` (a GPU engine's default: threads
+of this process read the files, the GPU converts and places them; without a GPU the CPU does), packed into
+the slot layout like a GPU engine's loads.
 It prints the longest and p99 gap between loop iterations in each phase; the ratios in the summary compare
 phases of the same rounds.
 
 Then the time of one load on its own (what a hot swap waits for), into the shared arena: split over
-`--workers` loader processes by layers (the engine's way) against one process doing the whole adapter,
-alternating, side by side.
+`--workers` loader processes by layers (the engine's way with `--adapter-loader process`) against one process
+doing the whole adapter, alternating, side by side.
 
 Last, one load at a time into extents that no loader process has written before (as the host tier of a
 running engine fills its arena before any extent comes back): loader processes that mapped the arena with its

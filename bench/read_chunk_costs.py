@@ -10,8 +10,8 @@ page-locked buffer and copy it to the GPU on a side stream, in these ways:
   the two floors;
 - each thread's share read whole, then copied;
 - 1, 2 and 4 MiB pieces, each copied as soon as it is read: with the side stream set once per thread (the
-  executor's initializer), entered per piece (`torch.cuda.stream`, as `DeviceLoader` does per chunk), or set
-  once with a new event recorded per piece (as `DeviceLoader` records one per chunk);
+  executor's initializer, as `DeviceLoader` does since stop 38), entered per piece (`torch.cuda.stream`, as it
+  did per chunk before), or set once with a new event recorded per piece (as it records one per chunk);
 - `DeviceLoader._read` itself at 2 and 16 MiB chunks.
 
 It prints the median (and min) of `--rounds` runs after two warm-ups, in ms, and each way of pieces against

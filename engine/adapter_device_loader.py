@@ -6,8 +6,8 @@ GPU in a slot fill. At Llama-7B dims (32 layers, rank 16 on all seven projection
 that took 14.5 ms on an H100 host. Reading the file's bytes as stored by 16 threads into page-locked memory,
 each share copied to the GPU as soon as it was read, and converting and checking there took 0.47x of it
 (bench/adapter_upload_paths.py; bench/RESULTS-gpu.md, stop 34). This loader is built on that path. Inside the
-engine (stop 36, one H100, side by side in three runs) its loads of that file took 0.62-0.64x the loader
-processes' and hot swap (f) 0.75-0.96x, with others' inter-token latency during cold joins no worse. It is the
+engine (stops 36 and 38, one H100, side by side in four runs) its loads of that file took 0.41-0.64x the loader
+processes' and hot swap (f) 0.62-0.96x, with others' inter-token latency during cold joins no worse (stop 36). It is the
 GPU default (`--adapter-loader auto`, or `device`).
 
 `DeviceLoader` loads so:
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import queue
 import threading
@@ -66,7 +67,8 @@ from engine.pinned_arena import PinnedArena
 
 # One read and one copy to the device. A 32-layer Llama-7B file (153 MiB) took 7.4-7.6 ms to read and copy in
 # chunks of 16 MiB by 16 threads, 11.4 ms in 8 MiB, 12.3 ms in 4 MiB and 23.0 ms in 2 MiB ones: each chunk costs
-# its own Python under the GIL the readers share (one H100 host; bench/RESULTS-gpu.md, stops 35 and 36).
+# its own Python under the GIL the readers share (one H100 host; bench/RESULTS-gpu.md, stops 35 and 36, when
+# the readers entered the loader's stream per chunk; stop 38, set once: 2 MiB chunks 14.5 ms, 16 MiB 8.4 ms).
 CHUNK_BYTES = 16 << 20
 RING_BYTES = 192 << 20  # page-locked chunks in the ring: the reads run ahead of the copies by this much
 MAX_HEADER_BYTES = 100 << 20  # (safetensors refuses larger headers)
@@ -106,11 +108,14 @@ class DeviceLoader:
         # Per chunk: its last copy to the device, which must have read it before the next read overwrites it.
         self._copied: list[torch.cuda.Event | None] = [None] * chunks
         self._loads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-device-load")
-        # Each reading thread makes the loader's stream its current one once: entering it per chunk
-        # (`torch.cuda.stream`) took 2 MiB chunks of a 153 MiB file from 5.5 to 13.1 ms (one H100;
-        # bench/read_chunk_costs.py).
+        # Each reading thread makes the loader's stream its current one once: entering it per piece
+        # (`torch.cuda.stream`) took 2 MiB pieces of a 153 MiB file from 8.30 to 16.87 ms (one H100, stop 38,
+        # bench/read_chunk_costs.py; the loader itself was not measured both ways). The initializer is not a
+        # bound method: each thread keeps it for its life, and would keep an unclosed loader alive with it.
         self._readers = ThreadPoolExecutor(
-            max_workers=readers, thread_name_prefix="adapter-read", initializer=self._use_stream
+            max_workers=readers,
+            thread_name_prefix="adapter-read",
+            initializer=functools.partial(torch.cuda.set_stream, self._stream) if self._stream is not None else None,
         )
         self._closed = threading.Event()
         # The image on the device comes back beside the host one, for the version's first slot fill (the pool
@@ -225,11 +230,6 @@ class DeviceLoader:
             return None
         start = stored[0].offset
         return self._plan_for(spec, stored, start, sum(t.nbytes for t in stored), header), start
-
-    def _use_stream(self) -> None:
-        """(A reading thread's initializer) the loader's stream as this thread's current one."""
-        if self._stream is not None:
-            torch.cuda.set_stream(self._stream)
 
     def _on_stream(self) -> contextlib.AbstractContextManager[object]:
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
@@ -346,6 +346,14 @@ class DeviceLoader:
         event = torch.cuda.Event()
         event.record(self._stream)
         return event
+
+
+def gpu_bytes(layout: SlotLayout, dtype: torch.dtype, images: int) -> int:
+    """The most GPU memory a `DeviceLoader` takes for adapters of `layout` at its largest rank, all projections:
+    one file's bytes as stored (at most 4 an element: fp32) and the `dtype` image placed from them, which its
+    plan keeps for the next load alike, and `images` more images (the pool's device images for first fills)."""
+    elements = layout.image_size(layout.group_fan_in, layout.max_rank)  # (a file stores as many)
+    return elements * (4 + dtype.itemsize * (1 + images))
 
 
 def stored_header(fd: int) -> bytes | None:

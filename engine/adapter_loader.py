@@ -257,10 +257,10 @@ def make_loader(
 
     "device" (CUDA, fused stacks) reads files by threads and converts them on the GPU (`DeviceLoader`), with
     loader processes (one loading, one checking) for checks and for the files it leaves to others. "auto" takes
-    it on a GPU: its loads measured 0.41-0.64x the loader processes' on one H100, hot swaps 0.62-0.96x, with
-    others' p99 during loads no worse (RESULTS-gpu.md, stops 36 and 38). Loader processes alone ("process") keep every
-    load off a GPU engine's GIL-bound step loop; a CPU engine's loop is bound by its matmuls, and threads start
-    faster there.
+    it on a GPU: its loads measured 0.41-0.64x the loader processes' on one H100, hot swaps 0.62-0.96x
+    (RESULTS-gpu.md, stops 36 and 38), with others' p99 during loads no worse (stop 36). Loader processes alone
+    ("process") keep every load off a GPU engine's GIL-bound step loop; a CPU engine's loop is bound by its
+    matmuls, and threads start faster there.
     """
     kind = loader_kind(config.adapter_loader, device, fused=layout is not None)
     if config.adapter_loader == "device" and kind != "device":
@@ -275,6 +275,19 @@ def make_loader(
         fallback = ProcessLoader(dtype, layout, 1, arena)
         return DeviceLoader(fallback, dtype, layout, device, arena, config.reader_threads()), arena
     return ProcessLoader(dtype, layout, config.loader_workers(), arena), arena
+
+
+def loader_gpu_bytes(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, layout: SlotLayout | None, images: int
+) -> int:
+    """GPU memory the loader `make_loader` builds takes at most once it loads (with `images` device images kept
+    beside): the KV cache's sizing leaves it free (`kv_cache.kv_slots`). Only the device loader takes any."""
+    if loader_kind(config.adapter_loader, device, fused=layout is not None) != "device":
+        return 0
+    from engine.adapter_device_loader import gpu_bytes  # (which imports this module)
+
+    assert layout is not None
+    return gpu_bytes(layout, dtype, images)
 
 
 def loader_kind(asked: str, device: torch.device, fused: bool) -> Literal["thread", "process", "device"]:

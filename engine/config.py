@@ -40,8 +40,8 @@ class EngineConfig:
     # Loader processes; with the shared arena one load is split over all of them by layers. 0 = auto: half
     # the cores, 2 to 8. With the device loader: its reading threads (0 = auto: the cores, 2 to 16).
     adapter_loader_workers: int = 0
-    # CUDA with loader processes: page-locked shared memory taken at start-up, which the loaders write host
-    # images straight into (beyond it, each image is pinned alone)
+    # CUDA (device loader or loader processes): page-locked shared memory taken at start-up, which host images
+    # are copied back or written straight into (beyond it, each image is pinned alone)
     pinned_adapter_memory_mb: int = 1024
     # Slot fills per step for the requests next to join, done after the step is launched and before its
     # tokens are read, so a cold request's copy overlaps the GPU's work instead of lengthening the step that

@@ -73,15 +73,18 @@ class KVCache:
                 layer[target, :, :length].copy_(layer[source, :, :length])
 
 
-def kv_slots(config: EngineConfig, arch: ModelArch, max_len: int, dtype: torch.dtype, device: torch.device) -> int:
-    """KV slots of `max_len` positions: `config.max_num_seqs`, fewer on a GPU whose free memory cannot hold them."""
+def kv_slots(
+    config: EngineConfig, arch: ModelArch, max_len: int, dtype: torch.dtype, device: torch.device, reserved: int = 0
+) -> int:
+    """KV slots of `max_len` positions: `config.max_num_seqs`, fewer on a GPU whose free memory cannot hold them
+    with `reserved` bytes left for buffers taken later (the adapter loader's: `adapter_loader.loader_gpu_bytes`)."""
     wanted = config.max_num_seqs
     if device.type != "cuda":
         return wanted
     free, _ = torch.cuda.mem_get_info(device)
     per_slot = KVCache.bytes_per_token(arch, dtype) * max_len
     # Leave room for activations of a full prefill step (logits over the vocabulary dominate).
-    reserve = config.max_num_batched_tokens * arch.vocab_size * 4 * 2
+    reserve = config.max_num_batched_tokens * arch.vocab_size * 4 * 2 + reserved
     fit = int((free * config.gpu_memory_utilization - reserve) // per_slot) - 1  # - the scratch row
     if fit < 1:
         raise ValueError(

@@ -169,8 +169,9 @@ def test_hot_swap_under_graphs_serves_new_weights(
 def test_adapters_read_by_the_device_loader_serve_as_the_loader_processes_do(
     model_dir: Path, adapter_dirs: dict[str, Path]
 ) -> None:
-    """The device loader (threads read the file, the GPU converts and places it) against the default loader
-    processes, eager engines: the same tokens from every adapter, before and after a hot swap."""
+    """The device loader (threads read the file, the GPU converts and places it) against the loader processes
+    (`adapter_loader="process"`), eager engines: the same tokens from every adapter, before and after a hot
+    swap."""
     processes = _engine(model_dir, eager=True, adapter_loader="process")
     device = _engine(model_dir, eager=True, adapter_loader="device")
     try:

@@ -5,11 +5,13 @@ the device is the CPU (the copies are synchronous); tests/gpu/test_lora_gpu.py r
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import random
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -468,6 +470,33 @@ def test_close_waits_for_a_load_in_flight(layout: SlotLayout, arena: PinnedArena
     gate.set()
     closer.join(5)
     assert not closer.is_alive()
+
+
+def test_gpu_bytes_is_what_a_load_at_the_largest_rank_takes(
+    loader: DeviceLoader, layout: SlotLayout, tmp_path: Path
+) -> None:
+    """The KV cache leaves `gpu_bytes` free for the loader (`kv_cache.kv_slots`): an fp32 file of every
+    projection at the stacks' largest rank fills it exactly, its plan's buffers and the images kept beside."""
+    spec = read_spec(write_adapter(tmp_path / "a", rank=layout.max_rank, modules=ALL7), TINY, layout.max_rank)
+    got = loader.submit(spec).result(30)
+    assert loader._plan is not None and got.device_packed is not None
+    plan, image = loader._plan, got.device_packed
+    taken = plan.raw.nbytes + plan.image.nbytes + DEVICE_IMAGES_KEPT * image.nbytes
+    assert adapter_device_loader.gpu_bytes(layout, torch.bfloat16, DEVICE_IMAGES_KEPT) == taken
+
+
+def test_a_loader_dropped_without_close_is_collected(layout: SlotLayout, tmp_path: Path) -> None:
+    """Its reading threads do not keep it alive (an engine whose start fails after `make_loader` never closes
+    it): their initializer once was a bound method of the loader, which each thread holds for its life."""
+    loader = DeviceLoader(
+        ThreadLoader(torch.bfloat16, layout), torch.bfloat16, layout, torch.device("cpu"), None, readers=2
+    )
+    spec = read_spec(write_adapter(tmp_path / "a", rank=4, modules=ALL7), TINY, 8)
+    loader.submit(spec).result(30)  # (its reading threads started)
+    dropped = weakref.ref(loader)
+    del loader
+    gc.collect()
+    assert dropped() is None
 
 
 def test_no_more_than_a_few_waited_for_loads_keep_their_device_images(

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import engine.adapter_loader as loader_module
+from engine.adapter_device_loader import gpu_bytes
 from engine.adapter_loader import ProcessLoader, ThreadLoader
 from engine.adapters import AdapterError, read_spec
+from engine.config import EngineConfig
 from engine.lora import AdapterWeights, LoRAStacks
 from engine.pinned_arena import PinnedArena
 from engine.pool import AdapterPool
@@ -399,3 +401,17 @@ def test_a_worker_replaced_as_dead_leaves_its_queued_tasks_to_end_not_cancelled(
 )
 def test_the_loader_each_setting_means(asked: str, device: str, fused: bool, kind: str) -> None:
     assert loader_module.loader_kind(asked, torch.device(device), fused=fused) == kind
+
+
+@pytest.mark.parametrize(
+    ("asked", "device"), [("auto", "cuda"), ("device", "cuda"), ("process", "cuda"), ("auto", "cpu")]
+)
+def test_only_the_device_loader_takes_gpu_memory_the_kv_cache_leaves(asked: str, device: str) -> None:
+    stacks = LoRAStacks(TINY, slots=2, max_rank=8, dtype=torch.bfloat16, device=torch.device("cpu"), fused=True)
+    config = EngineConfig(adapter_loader=asked)
+    got = loader_module.loader_gpu_bytes(config, torch.device(device), torch.bfloat16, stacks.layout, 3)
+    if loader_module.loader_kind(asked, torch.device(device), fused=True) == "device":
+        assert stacks.layout is not None
+        assert got == gpu_bytes(stacks.layout, torch.bfloat16, 3) > 0
+    else:
+        assert got == 0
