@@ -42,6 +42,7 @@ import functools
 import os
 import queue
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,11 @@ from engine.pinned_arena import PinnedArena
 CHUNK_BYTES = 16 << 20
 RING_BYTES = 192 << 20  # page-locked chunks in the ring: the reads run ahead of the copies by this much
 MAX_HEADER_BYTES = 100 << 20  # (safetensors refuses larger headers)
+# What `gpu_bytes` leaves room for: files of floats up to 4 bytes (float64 ones go to the fallback), and device
+# images alive at once: the pool keeps at most two (`pool.DEVICE_IMAGES_KEPT`), and a load just done holds one
+# more; loads started ahead of hot swaps' checks, which the pool does not count, get none past the limit.
+MAX_STORED_ITEMSIZE = 4
+MAX_DEVICE_IMAGES = 3
 
 
 class DeviceLoader:
@@ -122,6 +128,7 @@ class DeviceLoader:
         # keeps it only for a fill expected soon: `AdapterPool._drop_device_image`); bench/engine_gpu_e2e.py
         # turns it off to compare.
         self.keep_device_image = True
+        self._device_images = threading.BoundedSemaphore(MAX_DEVICE_IMAGES)
         self._plan: _Plan | None = None  # the last file layout's buffers and copies (`_plan_for`)
 
     def check(self, path: Path, arch: ModelArch, max_rank: int) -> AdapterSpec:
@@ -130,7 +137,7 @@ class DeviceLoader:
     def submit(self, spec: AdapterSpec) -> Future[AdapterWeights]:
         outer: Future[AdapterWeights] = Future()
         inner = self._loads.submit(self._load, spec)
-        outer.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
+        _cancel_with(outer, inner)
 
         def settle(done: Future[AdapterWeights | None]) -> None:
             if done.cancelled():
@@ -151,7 +158,7 @@ class DeviceLoader:
         return outer
 
     def _chain(self, source: Future[AdapterWeights], outer: Future[AdapterWeights]) -> None:
-        outer.add_done_callback(lambda f: source.cancel() if f.cancelled() else None)
+        _cancel_with(outer, source)
 
         def done(f: Future[AdapterWeights]) -> None:
             if f.cancelled():
@@ -205,16 +212,17 @@ class DeviceLoader:
 
     def _plan_of(self, spec: AdapterSpec, handle: BinaryIO) -> tuple[_Plan, int] | None:
         """The plan for the weights file `handle` has open, and where its tensors' data starts; None when the
-        file is the fallback's to load (tensors not aligned to their dtype). The last plan, unparsed, if the
-        file's stored header and size are the last load's (`_Plan.laid_out_as`); else from the parsed header."""
+        file is the fallback's to load (tensors not aligned to their dtype, or float64 ones: `gpu_bytes`). The
+        last plan, unparsed, if the file's stored header and size are the last load's (`_Plan.laid_out_as`);
+        else from the parsed header."""
         folder, fd = spec.path, handle.fileno()
         try:
             header, file_size = stored_header(fd), os.fstat(fd).st_size
         except OSError as exc:
             raise AdapterError(f"{folder}: cannot load {WEIGHTS_FILE} ({exc})") from exc
-        plan = self._plan
-        if plan is not None and plan.laid_out_as(spec, header, file_size):
-            return plan, file_size - plan.raw.numel()
+        # (No local for the last plan: a plan made anew below must find the last one's buffers let go.)
+        if self._plan is not None and self._plan.laid_out_as(spec, header, file_size):
+            return self._plan, file_size - self._plan.raw.numel()
         try:
             stored = stored_tensors(folder, handle)
             # The parse opened the file by its path: rewritten in place since the header was read, the layout
@@ -226,7 +234,7 @@ class DeviceLoader:
             raise
         except Exception as exc:  # SafetensorError: a header that no longer parses; OSError
             raise AdapterError(f"{folder}: cannot load {WEIGHTS_FILE} ({exc})") from exc
-        if not stored or any(t.offset % t.dtype.itemsize for t in stored):
+        if not stored or any(t.offset % t.dtype.itemsize or t.dtype.itemsize > MAX_STORED_ITEMSIZE for t in stored):
             return None
         start = stored[0].offset
         return self._plan_for(spec, stored, start, sum(t.nbytes for t in stored), header), start
@@ -315,7 +323,7 @@ class DeviceLoader:
         finite = (torch.isfinite(low) & torch.isfinite(high)).to("cpu", non_blocking=self._cuda)
         # The plan's image is overwritten by the next load: the pool gets a copy (device to device, 80 MB in
         # tens of microseconds at Llama-7B dims).
-        device_image = image.clone() if self.keep_device_image else None
+        device_image = self._device_image(image) if self.keep_device_image else None
         checked = self._record()
         host = self._arena.take(image.numel(), self._dtype) if self._arena is not None else None
         if host is None:
@@ -339,6 +347,19 @@ class DeviceLoader:
             raise
         return weights
 
+    def _device_image(self, image: torch.Tensor) -> torch.Tensor | None:
+        """A copy of `image` for the pool, unless `MAX_DEVICE_IMAGES` are alive (each gives its place back when
+        it is freed)."""
+        if not self._device_images.acquire(blocking=False):
+            return None
+        try:
+            copy = image.clone()
+        except BaseException:
+            self._device_images.release()
+            raise
+        weakref.finalize(copy, self._device_images.release)  # (the semaphore's: the loader stays collectable)
+        return copy
+
     def _record(self) -> torch.cuda.Event | None:
         """An event of the work queued on the loader's stream so far (None on the CPU, where it has run)."""
         if self._stream is None:
@@ -348,12 +369,19 @@ class DeviceLoader:
         return event
 
 
-def gpu_bytes(layout: SlotLayout, dtype: torch.dtype, images: int) -> int:
+def _cancel_with(outer: Future[AdapterWeights], inner: Future[AdapterWeights] | Future[AdapterWeights | None]) -> None:
+    """`inner` cancelled when `outer` is. By a weak reference: `inner`'s own callback holds `outer`, and a
+    cycle between them kept a load's result, device image included, until the cyclic garbage collector ran."""
+    ref = weakref.ref(inner)
+    outer.add_done_callback(lambda f: f.cancelled() and (i := ref()) is not None and i.cancel())
+
+
+def gpu_bytes(layout: SlotLayout, dtype: torch.dtype) -> int:
     """The most GPU memory a `DeviceLoader` takes for adapters of `layout` at its largest rank, all projections:
-    one file's bytes as stored (at most 4 an element: fp32) and the `dtype` image placed from them, which its
-    plan keeps for the next load alike, and `images` more images (the pool's device images for first fills)."""
-    elements = layout.image_size(layout.group_fan_in, layout.max_rank)  # (a file stores as many)
-    return elements * (4 + dtype.itemsize * (1 + images))
+    one file's bytes as stored (`MAX_STORED_ITEMSIZE` an element at most) and the `dtype` image placed from
+    them, which its plan keeps for the next load alike, and `MAX_DEVICE_IMAGES` more images."""
+    elements = layout.image_size(layout.group_fan_in, layout.max_rank)  # (a file stores as many: no repeats)
+    return elements * (MAX_STORED_ITEMSIZE + dtype.itemsize * (1 + MAX_DEVICE_IMAGES))
 
 
 def stored_header(fd: int) -> bytes | None:

@@ -277,17 +277,15 @@ def make_loader(
     return ProcessLoader(dtype, layout, config.loader_workers(), arena), arena
 
 
-def loader_gpu_bytes(
-    config: EngineConfig, device: torch.device, dtype: torch.dtype, layout: SlotLayout | None, images: int
-) -> int:
-    """GPU memory the loader `make_loader` builds takes at most once it loads (with `images` device images kept
-    beside): the KV cache's sizing leaves it free (`kv_cache.kv_slots`). Only the device loader takes any."""
+def loader_gpu_bytes(config: EngineConfig, device: torch.device, dtype: torch.dtype, layout: SlotLayout | None) -> int:
+    """GPU memory the loader `make_loader` builds takes at most once it loads: the KV cache's sizing leaves it
+    free (`kv_cache.kv_slots`). Only the device loader takes any."""
     if loader_kind(config.adapter_loader, device, fused=layout is not None) != "device":
         return 0
     from engine.adapter_device_loader import gpu_bytes  # (which imports this module)
 
     assert layout is not None
-    return gpu_bytes(layout, dtype, images)
+    return gpu_bytes(layout, dtype)
 
 
 def loader_kind(asked: str, device: torch.device, fused: bool) -> Literal["thread", "process", "device"]:

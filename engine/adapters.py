@@ -95,6 +95,7 @@ def _check_weights_header(folder: Path, arch: ModelArch, rank: int) -> frozenset
 
     shapes = arch.projection_shapes()
     modules: set[str] = set()
+    names: dict[tuple[int, str, str], str] = {}  # the key each (layer, module, A or B) was found under
     try:
         with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as f:
             keys = list(f.keys())
@@ -103,6 +104,7 @@ def _check_weights_header(folder: Path, arch: ModelArch, rank: int) -> frozenset
                 if match is None:
                     raise AdapterError(f"{folder}: unsupported tensor {key!r}")
                 layer, module, which = int(match[1]), match[2], match[3]
+                _refuse_repeat(folder, names, (layer, module, which), key)
                 if module not in shapes:
                     raise AdapterError(f"{folder}: unsupported target module {module!r} in {key!r}")
                 if layer >= arch.num_layers:
@@ -124,6 +126,14 @@ def _check_weights_header(folder: Path, arch: ModelArch, rank: int) -> frozenset
     if not modules:
         raise AdapterError(f"{folder}: {WEIGHTS_FILE} holds no LoRA weights")
     return frozenset(modules)
+
+
+def _refuse_repeat(folder: Path, names: dict[tuple[int, str, str], str], half: tuple[int, str, str], key: str) -> None:
+    """AdapterError if a tensor of `half` (layer, module, A or B) was found already, under another of the key's
+    accepted prefixes: which one a loader kept would be arbitrary, and the repeat is read for nothing."""
+    if half in names:
+        raise AdapterError(f"{folder}: {key!r} repeats {names[half]!r} (layer {half[0]} {half[1]} lora_{half[2]})")
+    names[half] = key
 
 
 def load_adapter(
@@ -281,10 +291,12 @@ def pair_tensors(
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """The file's tensors by (layer, module) as (A, B); AdapterError for a name we do not know or half a pair."""
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    names: dict[tuple[int, str, str], str] = {}
     for name, tensor in raw.items():
         match = _KEY.match(name)
         if match is None:
             raise AdapterError(f"{folder}: unsupported tensor {name!r}")
+        _refuse_repeat(folder, names, (int(match[1]), match[2], match[3]), name)  # (rewritten since its check)
         halves.setdefault((int(match[1]), match[2]), {})[match[3]] = tensor
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for key, pair in halves.items():

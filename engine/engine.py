@@ -30,7 +30,7 @@ from engine.logprobs import TokenLogprobs, read_logprobs
 from engine.lora import LoRAStacks
 from engine.model import DecoderModel
 from engine.outputs import Ending, final_output, take_token
-from engine.pool import DEVICE_IMAGES_KEPT, AdapterCacheStats, AdapterPool, AdapterVersion
+from engine.pool import AdapterCacheStats, AdapterPool, AdapterVersion
 from engine.prefix_cache import PrefixCache
 from engine.sampling import SamplingParams, make_generator
 from engine.scheduler import Scheduler
@@ -89,7 +89,7 @@ class LLMEngine:
             lora_gemm_few=config.lora_gemm == "on",
         )
         # The device loader's buffers are taken at the first load, after the cache has taken free memory.
-        reserved = loader_gpu_bytes(config, self.device, self.dtype, self.stacks.layout, DEVICE_IMAGES_KEPT + 1)
+        reserved = loader_gpu_bytes(config, self.device, self.dtype, self.stacks.layout)
         slots = kv_slots(config, arch, self.max_model_len, self.dtype, self.device, reserved)
         self.kv = KVCache(arch, slots, self.max_model_len, self.dtype, self.device)
         eviction = LRUPolicy() if config.adapter_eviction == "lru" else DecayedFrequencyPolicy()

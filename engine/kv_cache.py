@@ -87,9 +87,11 @@ def kv_slots(
     reserve = config.max_num_batched_tokens * arch.vocab_size * 4 * 2 + reserved
     fit = int((free * config.gpu_memory_utilization - reserve) // per_slot) - 1  # - the scratch row
     if fit < 1:
+        beside = f" beside {reserved / 2**20:.0f} MiB for the adapter loader" if reserved else ""
+        also = " (or --max-lora-rank, or --adapter-loader process)" if reserved else ""
         raise ValueError(
-            f"not enough GPU memory for one KV slot of {max_len} tokens ({per_slot / 2**20:.0f} MiB); "
-            "lower max_model_len"
+            f"not enough GPU memory for one KV slot of {max_len} tokens ({per_slot / 2**20:.0f} MiB){beside}; "
+            f"lower max_model_len{also}"
         )
     if fit < wanted:
         log.warning("GPU memory holds %d KV slots of %d tokens, not %d", fit, max_len, wanted)

@@ -564,7 +564,8 @@ class AdapterPool:
         """Let go of the GPU copy a device loader left beside `version`'s host image. It is kept only for a fill
         expected soon (a request waits, or a hot swap's predecessor held a slot), and for at most
         `DEVICE_IMAGES_KEPT` versions at once: that fill then copies device to device instead of host to device,
-        and GPU memory, which the KV cache was sized without, holds no more than a few images."""
+        and GPU memory holds no more than the few images the KV cache left room for
+        (`adapter_device_loader.MAX_DEVICE_IMAGES`)."""
         weights = version.weights
         if weights is not None and weights.device_packed is not None:
             version.weights = dataclasses.replace(weights, device_packed=None)

@@ -12,7 +12,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import BinaryIO
@@ -175,11 +175,18 @@ def _misaligned(folder: Path) -> None:
     path.write_bytes(struct.pack("<Q", len(header)) + header + data[8 + length :])
 
 
-def test_a_file_of_misaligned_tensors_is_loaded_by_the_fallback(
-    loader: DeviceLoader, layout: SlotLayout, tmp_path: Path
+def _as_float64(folder: Path) -> None:
+    path = folder / WEIGHTS_FILE
+    save_file({k: v.to(torch.float64) for k, v in load_file(str(path)).items()}, str(path))
+
+
+@pytest.mark.parametrize("rewrite", [_misaligned, _as_float64], ids=["misaligned", "float64"])
+def test_a_file_of_misaligned_or_float64_tensors_is_loaded_by_the_fallback(
+    rewrite: Callable[[Path], None], loader: DeviceLoader, layout: SlotLayout, tmp_path: Path
 ) -> None:
+    """Float64 files too: `gpu_bytes`, which the KV cache leaves free, counts 4 bytes an element as stored."""
     folder = write_adapter(tmp_path / "a", rank=4, modules=ALL7, seed=8)
-    _misaligned(folder)
+    rewrite(folder)
     spec = read_spec(folder, TINY, 8)
     fallback = loader._fallback
     submitted: list[AdapterSpec] = []
@@ -475,14 +482,68 @@ def test_close_waits_for_a_load_in_flight(layout: SlotLayout, arena: PinnedArena
 def test_gpu_bytes_is_what_a_load_at_the_largest_rank_takes(
     loader: DeviceLoader, layout: SlotLayout, tmp_path: Path
 ) -> None:
-    """The KV cache leaves `gpu_bytes` free for the loader (`kv_cache.kv_slots`): an fp32 file of every
-    projection at the stacks' largest rank fills it exactly, its plan's buffers and the images kept beside."""
+    """The KV cache leaves `gpu_bytes` free for the loader (`kv_cache.kv_slots`): fp32 files of every
+    projection at the stacks' largest rank fill it exactly, the plan's buffers and the most device images."""
     spec = read_spec(write_adapter(tmp_path / "a", rank=layout.max_rank, modules=ALL7), TINY, layout.max_rank)
-    got = loader.submit(spec).result(30)
-    assert loader._plan is not None and got.device_packed is not None
-    plan, image = loader._plan, got.device_packed
-    taken = plan.raw.nbytes + plan.image.nbytes + DEVICE_IMAGES_KEPT * image.nbytes
-    assert adapter_device_loader.gpu_bytes(layout, torch.bfloat16, DEVICE_IMAGES_KEPT) == taken
+    got = [loader.submit(spec).result(30) for _ in range(adapter_device_loader.MAX_DEVICE_IMAGES + 1)]
+    assert loader._plan is not None
+    images = [w.device_packed.nbytes for w in got if w.device_packed is not None]
+    assert len(images) == adapter_device_loader.MAX_DEVICE_IMAGES
+    taken = loader._plan.raw.nbytes + loader._plan.image.nbytes + sum(images)
+    assert adapter_device_loader.gpu_bytes(layout, torch.bfloat16) == taken
+
+
+def test_no_more_device_images_are_alive_than_the_kv_cache_left_room_for(loader: DeviceLoader, tmp_path: Path) -> None:
+    """However many loads hold theirs (loads started ahead of hot swaps' checks, which the pool does not count),
+    a load past `MAX_DEVICE_IMAGES` alive returns none; one freed makes room for the next."""
+    spec = read_spec(write_adapter(tmp_path / "a", rank=4, modules=ALL7), TINY, 8)
+    held = [loader.submit(spec).result(30) for _ in range(adapter_device_loader.MAX_DEVICE_IMAGES)]
+    assert all(w.device_packed is not None for w in held)
+    assert loader.submit(spec).result(30).device_packed is None
+    held[0] = dataclasses.replace(held[0], device_packed=None)  # (as the pool lets one go)
+    gc.collect()
+    assert loader.submit(spec).result(30).device_packed is not None
+
+
+def test_a_result_let_go_frees_its_device_image_without_the_cyclic_collector(
+    loader: DeviceLoader, tmp_path: Path
+) -> None:
+    """A load's two futures referred to each other (each cancels the other), so a result the pool let go of,
+    device image included, stayed in GPU memory until a garbage collection, and took one of the loader's
+    `MAX_DEVICE_IMAGES` places meanwhile: a hot swap's new version then got none."""
+    spec = read_spec(write_adapter(tmp_path / "a", rank=4, modules=ALL7), TINY, 8)
+    gc.disable()
+    try:
+        got = loader.submit(spec).result(30)
+        assert got.device_packed is not None
+        image = weakref.ref(got.device_packed)
+        del got
+        deadline = time.monotonic() + 5  # (the load's thread may hold its task a moment after the result is set)
+        while image() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert image() is None
+    finally:
+        gc.enable()
+
+
+def test_a_plan_made_anew_finds_the_last_ones_buffers_let_go(
+    loader: DeviceLoader, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Else a load of another layout holds two plans' buffers at once, more than `gpu_bytes` leaves room for."""
+    loader.submit(read_spec(write_adapter(tmp_path / "a", rank=4, modules=ALL7), TINY, 8)).result(30)
+    assert loader._plan is not None
+    last_raw = weakref.ref(loader._plan.raw)
+    alive_as_new_ones_are_made: list[bool] = []
+    layer_of = adapter_device_loader.layer_of
+
+    def watched(*args: object) -> int:
+        gc.collect()
+        alive_as_new_ones_are_made.append(last_raw() is not None)
+        return layer_of(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(adapter_device_loader, "layer_of", watched)
+    loader.submit(read_spec(write_adapter(tmp_path / "b", rank=8, modules=ALL7), TINY, 8)).result(30)
+    assert alive_as_new_ones_are_made and not any(alive_as_new_ones_are_made)
 
 
 def test_a_loader_dropped_without_close_is_collected(layout: SlotLayout, tmp_path: Path) -> None:
@@ -495,7 +556,10 @@ def test_a_loader_dropped_without_close_is_collected(layout: SlotLayout, tmp_pat
     loader.submit(spec).result(30)  # (its reading threads started)
     dropped = weakref.ref(loader)
     del loader
-    gc.collect()
+    deadline = time.monotonic() + 5  # (a pool thread may hold its last task a moment after the result is set)
+    while dropped() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
     assert dropped() is None
 
 

@@ -404,14 +404,13 @@ def test_the_loader_each_setting_means(asked: str, device: str, fused: bool, kin
 
 
 @pytest.mark.parametrize(
-    ("asked", "device"), [("auto", "cuda"), ("device", "cuda"), ("process", "cuda"), ("auto", "cpu")]
+    ("asked", "device", "takes"),
+    [("auto", "cuda", True), ("device", "cuda", True), ("process", "cuda", False), ("auto", "cpu", False)],
 )
-def test_only_the_device_loader_takes_gpu_memory_the_kv_cache_leaves(asked: str, device: str) -> None:
+def test_only_the_device_loader_takes_gpu_memory_the_kv_cache_leaves(asked: str, device: str, takes: bool) -> None:
     stacks = LoRAStacks(TINY, slots=2, max_rank=8, dtype=torch.bfloat16, device=torch.device("cpu"), fused=True)
+    assert stacks.layout is not None
     config = EngineConfig(adapter_loader=asked)
-    got = loader_module.loader_gpu_bytes(config, torch.device(device), torch.bfloat16, stacks.layout, 3)
-    if loader_module.loader_kind(asked, torch.device(device), fused=True) == "device":
-        assert stacks.layout is not None
-        assert got == gpu_bytes(stacks.layout, torch.bfloat16, 3) > 0
-    else:
-        assert got == 0
+    got = loader_module.loader_gpu_bytes(config, torch.device(device), torch.bfloat16, stacks.layout)
+    assert gpu_bytes(stacks.layout, torch.bfloat16) > 0
+    assert got == (gpu_bytes(stacks.layout, torch.bfloat16) if takes else 0)

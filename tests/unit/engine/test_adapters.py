@@ -287,3 +287,29 @@ def test_a_part_refuses_a_file_whose_rank_changed_since_registration(tmp_path: P
     write_adapter(tmp_path / "a", rank=1, modules=("q_proj",))
     with pytest.raises(AdapterError, match=r"q_proj of layer [01] is not of rank 4"):
         load_layers_into(spec, torch.float32, layout, _image(layout, spec, torch.float32), range(0, 2))
+
+
+def _with_a_repeat(folder: Path) -> str:
+    """Store one tensor a second time under another prefix the key pattern accepts; its new name."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    name = next(k for k in tensors if k.endswith("q_proj.lora_A.weight"))
+    repeat = name.removeprefix("base_model.model.")
+    save_file({**tensors, repeat: tensors[name].clone()}, str(path))
+    return repeat
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_tensor_stored_twice_is_refused_naming_both(packed: bool, tmp_path: Path) -> None:
+    """Which copy a loader kept was arbitrary, and the device loader read the repeats into GPU memory the KV
+    cache left no room for. At registration, and at a load of a file rewritten so since its check."""
+    folder = write_adapter(tmp_path / "a", rank=4, modules=("q_proj", "v_proj"))
+    spec = read_spec(folder, TINY, 8)
+    repeat = _with_a_repeat(folder)
+    with pytest.raises(AdapterError, match=re.escape(f"{repeat!r} repeats")):
+        read_spec(folder, TINY, 8)
+    layout = LoRAStacks(TINY, 1, 8, torch.float32, torch.device("cpu"), fused=True).layout if packed else None
+    with pytest.raises(AdapterError, match=r"repeats .* \(layer 0 q_proj lora_A\)"):
+        load_adapter(spec, torch.float32, pin=False, layout=layout)
