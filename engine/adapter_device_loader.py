@@ -50,7 +50,7 @@ from typing import BinaryIO
 
 import torch
 
-from engine.adapter_loader import AdapterLoader
+from engine.adapter_loader import AdapterLoader, cancel_with
 from engine.adapters import (
     WEIGHTS_FILE,
     AdapterError,
@@ -137,7 +137,7 @@ class DeviceLoader:
     def submit(self, spec: AdapterSpec) -> Future[AdapterWeights]:
         outer: Future[AdapterWeights] = Future()
         inner = self._loads.submit(self._load, spec)
-        _cancel_with(outer, inner)
+        cancel_with(outer, inner)
 
         def settle(done: Future[AdapterWeights | None]) -> None:
             if done.cancelled():
@@ -158,7 +158,7 @@ class DeviceLoader:
         return outer
 
     def _chain(self, source: Future[AdapterWeights], outer: Future[AdapterWeights]) -> None:
-        _cancel_with(outer, source)
+        cancel_with(outer, source)
 
         def done(f: Future[AdapterWeights]) -> None:
             if f.cancelled():
@@ -367,13 +367,6 @@ class DeviceLoader:
         event = torch.cuda.Event()
         event.record(self._stream)
         return event
-
-
-def _cancel_with(outer: Future[AdapterWeights], inner: Future[AdapterWeights] | Future[AdapterWeights | None]) -> None:
-    """`inner` cancelled when `outer` is. By a weak reference: `inner`'s own callback holds `outer`, and a
-    cycle between them kept a load's result, device image included, until the cyclic garbage collector ran."""
-    ref = weakref.ref(inner)
-    outer.add_done_callback(lambda f: f.cancelled() and (i := ref()) is not None and i.cancel())
 
 
 def gpu_bytes(layout: SlotLayout, dtype: torch.dtype) -> int:

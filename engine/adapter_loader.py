@@ -17,11 +17,12 @@ import logging
 import multiprocessing
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
 
@@ -235,7 +236,7 @@ class ProcessLoader:
             _settle_parts(outer, parts, image, self._arena, on_broken)
             return
         inner = self._run(read_adapter, spec, self._dtype, self._layout, False)
-        outer.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
+        cancel_with(outer, inner)
         inner.add_done_callback(_settle(outer, self._pin, self._arena, on_broken))
 
     def _extent_for(self, spec: AdapterSpec) -> torch.Tensor | None:
@@ -348,8 +349,12 @@ def _settle_parts(
             if pending[0]:
                 return
         assert image.packed is not None
-        failure = next((p.exception() for p in parts if not p.cancelled() and p.exception() is not None), None)
-        if failure is None and not any(p.cancelled() for p in parts) and outer.set_running_or_notify_cancel():
+        # Let go of the list: each part's callback holds this closure, which held the parts (a cycle that kept
+        # the result until the cyclic garbage collector ran).
+        ended = parts.copy()
+        parts.clear()
+        failure = next((p.exception() for p in ended if not p.cancelled() and p.exception() is not None), None)
+        if failure is None and not any(p.cancelled() for p in ended) and outer.set_running_or_notify_cancel():
             outer.set_result(image)
             return
         if isinstance(failure, BrokenProcessPool):
@@ -368,9 +373,24 @@ def _settle_parts(
         else:
             outer.cancel()
 
-    outer.add_done_callback(lambda f: [p.cancel() for p in parts] if f.cancelled() else None)
+    cancel_with(outer, *parts)
     for part in parts:
         part.add_done_callback(part_done)
+
+
+def cancel_with(outer: Future[Any], *inner: Future[Any]) -> None:
+    """The `inner` futures cancelled when `outer` is. By weak references (a pending one is held by its
+    executor): each inner future's own callback holds `outer`, and a cycle between them kept a load's result,
+    its images included, until the cyclic garbage collector ran."""
+    refs = [weakref.ref(future) for future in inner]
+
+    def cancel(done: Future[Any]) -> None:
+        if done.cancelled():
+            for ref in refs:
+                if (future := ref()) is not None:
+                    future.cancel()
+
+    outer.add_done_callback(cancel)
 
 
 def _settle(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -114,6 +116,29 @@ def test_a_failed_or_cancelled_load_into_the_shared_arena_gives_its_extent_back(
     while shared_arena.free_pages != empty and time.monotonic() < deadline:
         time.sleep(0.05)
     assert shared_arena.free_pages == empty
+
+
+@pytest.mark.parametrize("kind", ["packed", "shared"])
+def test_a_process_load_let_go_is_freed_without_the_cyclic_collector(
+    kind: str, process_loaders: dict[str, ProcessLoader], tmp_path: Path
+) -> None:
+    """The outer future and the worker's (or the parts') referred to each other (each cancels the other), so
+    a result let go of, its page-locked image included, lived until a garbage collection."""
+    spec = read_spec(write_adapter(tmp_path / "a", rank=4, modules=ALL7, seed=3), TINY, 8)
+    gc.disable()
+    try:
+        got = process_loaders[kind].submit(spec).result(60)
+        assert got.packed is not None
+        image = weakref.ref(got.packed)
+        if kind == "shared":
+            process_loaders[kind]._arena.give_back(got.packed)  # type: ignore[union-attr]  # (as the pool does)
+        del got
+        deadline = time.monotonic() + 5  # (a pool thread may hold its task a moment after the result is set)
+        while image() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert image() is None
+    finally:
+        gc.enable()
 
 
 def test_process_loader_reports_a_broken_adapter(process_loaders: dict[str, ProcessLoader], tmp_path: Path) -> None:
