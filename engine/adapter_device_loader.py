@@ -6,9 +6,9 @@ GPU in a slot fill. At Llama-7B dims (32 layers, rank 16 on all seven projection
 that took 14.5 ms on an H100 host. Reading the file's bytes as stored by 16 threads into page-locked memory,
 each share copied to the GPU as soon as it was read, and converting and checking there took 0.47x of it
 (bench/adapter_upload_paths.py; bench/RESULTS-gpu.md, stop 34). This loader is built on that path. Inside the
-engine (stops 36 and 38, one H100, side by side in four runs) its loads of that file took 0.41-0.64x the loader
-processes' and hot swap (f) 0.62-0.96x, with others' inter-token latency during cold joins no worse (stop 36). It is the
-GPU default (`--adapter-loader auto`, or `device`).
+engine (stops 36 and 38, one H100, side by side in four runs) its loads of that file took 0.41-0.64x the
+loader processes' and hot swap (f) 0.62-0.96x, with others' inter-token latency during cold joins no worse
+(stop 36). It is the GPU default (`--adapter-loader auto`, or `device`).
 
 `DeviceLoader` loads so:
 1. the weights file's header is read (`stored_tensors`: safetensors parses and validates it), unless the file's
