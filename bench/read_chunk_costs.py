@@ -21,6 +21,7 @@ the loader's default chunks. Needs CUDA.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
@@ -80,10 +81,7 @@ class Reading:
                     done += got
                 if not copy:
                     continue
-                if enter_stream:
-                    with torch.cuda.stream(self.side):
-                        self.device_raw[lo:hi].copy_(self.staging[lo:hi], non_blocking=True)
-                else:
+                with torch.cuda.stream(self.side) if enter_stream else contextlib.nullcontext():
                     self.device_raw[lo:hi].copy_(self.staging[lo:hi], non_blocking=True)
                 if new_event:
                     torch.cuda.Event().record(self.side)
@@ -124,10 +122,6 @@ def main() -> None:
     path.read_bytes()  # into the page cache
     size = path.stat().st_size
     side = torch.cuda.Stream()
-
-    def use_side() -> None:
-        torch.cuda.set_stream(side)
-
     reading = Reading(
         path,
         size,
@@ -135,7 +129,7 @@ def main() -> None:
         torch.empty(size, dtype=torch.uint8, device="cuda"),
         side,
         args.threads,
-        ThreadPoolExecutor(args.threads, initializer=use_side),
+        ThreadPoolExecutor(args.threads, initializer=functools.partial(torch.cuda.set_stream, side)),
         ThreadPoolExecutor(args.threads),
     )
     whole_share = -(-size // args.threads)

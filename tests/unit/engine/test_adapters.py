@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.adapter_loader import layer_parts
-from engine.adapters import AdapterError, AdapterSpec, load_adapter, load_layers_into, read_spec
+from engine.adapters import WEIGHTS_FILE, AdapterError, AdapterSpec, load_adapter, load_layers_into, read_spec
 from engine.lora import LoRAStacks, SlotLayout, image_groups
 from tests.unit.engine.tiny import TINY, write_adapter
 
@@ -293,7 +293,7 @@ def _with_a_repeat(folder: Path) -> str:
     """Store one tensor a second time under another prefix the key pattern accepts; its new name."""
     from safetensors.torch import load_file, save_file
 
-    path = folder / "adapter_model.safetensors"
+    path = folder / WEIGHTS_FILE
     tensors = load_file(str(path))
     name = next(k for k in tensors if k.endswith("q_proj.lora_A.weight"))
     repeat = name.removeprefix("base_model.model.")
