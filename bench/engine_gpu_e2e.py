@@ -18,6 +18,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -92,10 +93,8 @@ def drive(engine: LLMEngine, requests: list[Request]) -> dict[str, list[int]]:
     return out
 
 
-def ttft(engine: LLMEngine, rid: str, prompt: list[int], adapter: str | None) -> float:
-    """Seconds from submit to the first token, stepping on this thread."""
-    first: list[float] = []
-    start = time.perf_counter()
+def send_timed(engine: LLMEngine, rid: str, prompt: list[int], adapter: str | None, first: list[float]) -> None:
+    """Submit a request of two tokens; the time its first token came is appended to `first`."""
     engine.add_request(
         rid,
         prompt,
@@ -103,6 +102,13 @@ def ttft(engine: LLMEngine, rid: str, prompt: list[int], adapter: str | None) ->
         adapter,
         lambda o: first.append(time.perf_counter()) if o.token_ids and not first else None,
     )
+
+
+def ttft(engine: LLMEngine, rid: str, prompt: list[int], adapter: str | None) -> float:
+    """Seconds from submit to the first token, stepping on this thread."""
+    first: list[float] = []
+    start = time.perf_counter()
+    send_timed(engine, rid, prompt, adapter, first)
     while not first:  # a cold adapter: nothing to run until its weights arrive
         engine.run_until_idle()
         if not first:
@@ -709,21 +715,32 @@ class LoadTimeline:
 
 
 def section_hot_swap(
-    b: Bench, eng: LLMEngine, prompt: list[int], swaps: int = 9, load_ahead: tuple[bool, ...] = (True,)
+    b: Bench,
+    eng: LLMEngine,
+    prompt: list[int],
+    swaps: int = 9,
+    load_ahead: tuple[bool, ...] = (True,),
+    compose_late: tuple[bool, ...] = (True,),
 ) -> None:
-    """(f) apply a new version while traffic runs: apply -> switch (staged load) -> first token on it. With
-    several `load_ahead` settings (the pool's: the new version's load started beside its check, or after it),
-    the swaps take them in turn, `swaps` each."""
-    v1, *v2s = b.adapters(eng, "swap", swaps * len(load_ahead) + 1)  # single swaps vary by a step or a collection
+    """(f) apply a new version while traffic runs: apply -> switch (staged load) -> first token on it. The
+    request timed arrives as the pool switches to the new version (from the loader's thread, as a server's
+    next request would under steady traffic). With several `load_ahead` settings (the pool's: the new
+    version's load started beside its check, or after it) or `compose_late` ones (the engine's pacer on or
+    off), the swaps take each pair in turn, `swaps` each."""
+    modes = [(ahead, late) for ahead in load_ahead for late in compose_late]
+    v1, *v2s = b.adapters(eng, "swap", swaps * len(modes) + 1)  # single swaps vary by a step or a collection
     eng.load_adapter("swap", str(v1), wait=True)
     ttft(eng, "sw0", prompt, "swap")
-    # Per setting: apply -> first token, apply -> switch seen (at the end of the step running when the pool
-    # took the load) and apply -> load done (the loader's future; the apply's return if it was done by then).
-    by_mode: dict[bool, tuple[list[float], list[float], list[float]]] = {ahead: ([], [], []) for ahead in load_ahead}
+    pacer = eng.pacer
+    # Per setting: apply -> first token, apply -> switch (when the pool took the load and the request arrived)
+    # and apply -> load done (the loader's future; the apply's return if it was done by then).
+    by_mode: dict[tuple[bool, bool], tuple[list[float], list[float], list[float]]] = {m: ([], [], []) for m in modes}
     timeline = LoadTimeline(eng) if TRACE else None
     for i, v2 in enumerate(v2s):
-        eng.pool.load_ahead = load_ahead[i % len(load_ahead)]
-        totals, switches, loads = by_mode[eng.pool.load_ahead]
+        mode = modes[i % len(modes)]
+        eng.pool.load_ahead = mode[0]
+        eng.pacer = pacer if mode[1] else None
+        totals, switches, loads = by_mode[mode]
         decoding: set[str] = set()  # background requests past their second token
         for j in range(8):  # live traffic on v1
             eng.add_request(
@@ -746,6 +763,20 @@ def section_hot_swap(
             raise AssertionError("(f) the background traffic is not decoding when the new version is applied")
         if timeline is not None:
             timeline.clear()
+        old = eng.pool.lookup("swap")
+        first: list[float] = []
+        arrived: list[float] = []
+
+        def arrive(
+            i: int = i, old: AdapterVersion | None = old, first: list[float] = first, arrived: list[float] = arrived
+        ) -> None:
+            """The timed request, sent once the pool serves the new version (a loader thread calls this)."""
+            if arrived or eng.pool.lookup("swap") is old:
+                return
+            arrived.append(time.perf_counter())
+            send_timed(eng, f"sw{i}", prompt, "swap", first)
+
+        eng.pool.on_loaded.append(arrive)
         t0 = time.perf_counter()
         new: AdapterVersion = eng.load_adapter("swap", str(v2), wait=False)
         registered = time.perf_counter()
@@ -753,50 +784,123 @@ def section_hot_swap(
         loading = new.loading
         if loading is not None:  # (None: loaded already)
             loading.add_done_callback(lambda _, loaded=loaded: loaded.append(time.perf_counter()))  # type: ignore[misc]
-        while eng.pool.lookup("swap") is not new:  # old version keeps serving while the new one loads
+        arrive()  # (loaded before the apply returned)
+        while not first:  # the old version keeps serving while the new one loads
             eng._drain_commands()
             if eng.scheduler.has_work():
                 stepped = time.perf_counter()
                 eng.step()
-                if timeline is not None:
+                if timeline is not None and not arrived:
                     timeline.steps.append((stepped, time.perf_counter()))
             else:
                 time.sleep(0.0002)
-        switched = time.perf_counter()
-        first: list[float] = []
-        eng.add_request(
-            f"sw{i}",
-            prompt,
-            SamplingParams(max_tokens=2, ignore_eos=True),
-            "swap",
-            lambda o, first=first: first.append(time.perf_counter()) if o.token_ids and not first else None,  # type: ignore[misc]
-        )
-        while not first:
-            eng._drain_commands()
-            eng.step()
+        eng.pool.on_loaded.remove(arrive)
+        switched = arrived[0]
         totals.append(first[0] - t0)
         switches.append(switched - t0)
         loads.append((loaded[0] if loaded else registered) - t0)
         if timeline is not None:
-            timeline.print(i, t0, {"registered": registered, "switch seen": switched, "first token": first[0]})
+            timeline.print(i, t0, {"registered": registered, "switch": switched, "first token": first[0]})
         eng.run_until_idle()
         if new.requests_served < 1:
             raise AssertionError("(f) the request timed after the switch was not served by the new version")
-    for ahead, (totals, switches, loads) in by_mode.items():
-        mode = f", load ahead of the check {'on' if ahead else 'off'}" if len(by_mode) > 1 else ""
+    eng.pacer = pacer
+    for (ahead, late), (totals, switches, loads) in by_mode.items():
+        label = ""
+        if len(load_ahead) > 1:
+            label += f", load ahead of the check {'on' if ahead else 'off'}"
+        if len(compose_late) > 1:
+            label += f", compose late {'on' if late else 'off'}"
         report_loader(
-            f"(f) hot swap under load{mode}, p50 of {len(totals)}: apply -> first token on the new version "
+            f"(f) hot swap under load{label}, p50 of {len(totals)}: apply -> first token on the new version "
             f"{p50(totals) * 1e3:.1f} ms, slowest {max(totals) * 1e3:.1f} ms (apply -> switch, i.e. the staged load, "
-            f"{p50(switches) * 1e3:.1f} ms)"
+            f"{p50(switches) * 1e3:.1f} ms; switch -> first token "
+            f"{p50([t - w for t, w in zip(totals, switches, strict=True)]) * 1e3:.1f} ms)"
         )
-        # The switch is seen at a step's end, so a load that ends a little later can cost a whole step.
         report_loader(
-            f"(f) apply -> load done{mode}: p50 {p50(loads) * 1e3:.1f} ms "
+            f"(f) apply -> load done{label}: p50 {p50(loads) * 1e3:.1f} ms "
             f"(min {min(loads) * 1e3:.1f}, max {max(loads) * 1e3:.1f})"
         )
-    if len(by_mode) == 2:
-        (on, _, _), (off, _, _) = by_mode[True], by_mode[False]
-        report_loader(f"(f) load ahead of the check on / off, p50 apply -> first token: {p50(on) / p50(off):.3f}x")
+    for index, (name, settings) in enumerate((("load ahead of the check", load_ahead), ("compose late", compose_late))):
+        if len(settings) == 2:
+            on = [t for m, (ts, _, _) in by_mode.items() if m[index] for t in ts]
+            off = [t for m, (ts, _, _) in by_mode.items() if not m[index] for t in ts]
+            report_loader(f"(f) {name} on / off, p50 apply -> first token: {p50(on) / p50(off):.3f}x")
+
+
+def section_pacing(b: Bench, eng: LLMEngine, prompt: list[int], rounds: int = 3, probes: int = 12) -> None:
+    """(p) the engine's late composition (its pacer) on and off, in turn on one engine while `b.running` base
+    requests decode: the TTFT of requests that arrive at random moments from another thread (as a server's
+    do), and the decode steps per second with nothing arriving (what holding the composition back may cost)."""
+    pacer = eng.pacer
+    if pacer is None:
+        report_loader("(p) skipped: the engine composes no step late (async steps off or compose_late off)")
+        return
+    live: set[str] = set()
+    made = 0
+
+    def refill() -> None:
+        nonlocal made
+        while len(live) < b.running:
+            rid = f"pbg{made}"
+            made += 1
+            live.add(rid)
+            eng.add_request(
+                rid,
+                prompt,
+                SamplingParams(max_tokens=200, ignore_eos=True),
+                None,
+                lambda o, rid=rid: live.discard(rid) if o.finish_reason else None,  # type: ignore[misc]
+            )
+        for _ in range(4):  # their prefills, before anything is timed
+            eng._drain_commands()
+            eng.step()
+
+    ttfts: dict[bool, list[float]] = {True: [], False: []}
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    rng = random.Random(7)
+    for r in range(rounds):
+        for late in (True, False):
+            eng.pacer = pacer if late else None
+            refill()
+            start = time.perf_counter()
+            for _ in range(30):
+                eng._drain_commands()
+                eng.step()
+            rates[late].append(30 / (time.perf_counter() - start))
+            for k in range(probes):
+                arrived: list[float] = []
+                first: list[float] = []
+
+                def send(
+                    rid: str = f"pp{r}{late:d}{k}", arrived: list[float] = arrived, first: list[float] = first
+                ) -> None:
+                    arrived.append(time.perf_counter())
+                    send_timed(eng, rid, prompt, None, first)
+
+                timer = threading.Timer(rng.uniform(0.0, 0.015), send)
+                timer.start()
+                while not first:
+                    eng._drain_commands()
+                    eng.step()
+                timer.join()
+                ttfts[late].append(first[0] - arrived[0])
+    eng.pacer = pacer
+    on, off = ttfts[True], ttfts[False]
+
+    def p90(values: list[float]) -> float:
+        return statistics.quantiles(values, n=10, method="inclusive")[8]
+
+    report_loader(
+        f"(p) TTFT of a request arriving at a random moment while {b.running} decode, p50 (p90) over "
+        f"{len(on)} each: compose late on {p50(on) * 1e3:.2f} ms ({p90(on) * 1e3:.2f}), off "
+        f"{p50(off) * 1e3:.2f} ms ({p90(off) * 1e3:.2f}): on / off {p50(on) / p50(off):.3f}x"
+    )
+    report_loader(
+        f"(p) decode steps/s with nothing arriving, p50 of {rounds}: on {p50(rates[True]):.1f}, off "
+        f"{p50(rates[False]):.1f}: on / off {p50(rates[True]) / p50(rates[False]):.3f}x (held back {pacer.waits} "
+        f"compositions, {pacer.woken} of them ended by an arrival)"
+    )
 
 
 def main() -> None:
@@ -808,7 +912,7 @@ def main() -> None:
     ap.add_argument(
         "--only",
         default="abdef",
-        help="sections: a(gree) b d e f; t: (d)'s cold-start TTFT alone; j: (d)'s warm joins alone",
+        help="sections: a(gree) b d e f p(acing); t: (d)'s cold-start TTFT alone; j: (d)'s warm joins alone",
     )
     ap.add_argument("--zipf-requests", type=int, default=1500)
     ap.add_argument("--zipf-rate", type=float, default=150.0)
@@ -865,6 +969,12 @@ def main() -> None:
         help="lora_gemm of the engines sections d, j, t and f compare (on: steps of 2-8 adapters run the "
         "few-adapter GEMM; single: one-adapter steps only; default: the engine's)",
     )
+    ap.add_argument(
+        "--compose-late",
+        default="on",
+        help="(f) and (p): the engine's late composition (its pacer), e.g. on,off: (f)'s swaps alternate between "
+        "them, --swaps of each",
+    )
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
     ap.add_argument(
         "--async-steps",
@@ -889,8 +999,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.swaps < 1:
         ap.error(f"--swaps must be at least 1, got {args.swaps}")
-    if not set(args.load_ahead.split(",")) <= {"on", "off"}:
-        ap.error(f"--load-ahead takes on and off, comma-separated, got {args.load_ahead!r}")
+    for flag, value in (("--load-ahead", args.load_ahead), ("--compose-late", args.compose_late)):
+        if not set(value.split(",")) <= {"on", "off"}:
+            ap.error(f"{flag} takes on and off, comma-separated, got {value!r}")
     global TRACE, LOADER
     TRACE = args.trace
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
@@ -927,7 +1038,7 @@ def main() -> None:
         for row_tile in args.lora_gemm_row_tile.split(",")
         for gemm in args.lora_gemm_loads.split(",")
     ]
-    if not {"d", "f", "t", "j"}.intersection(args.only):
+    if not {"d", "f", "t", "j", "p"}.intersection(args.only):
         configs = []
     default_chunk = adapter_device_loader.CHUNK_BYTES
     for loader_chunk, switch_ms, pinned_mb, workers, fold, row_tile, gemm in configs:
@@ -969,7 +1080,16 @@ def main() -> None:
         elif "j" in args.only:
             section_others_during_loads(b, eng, prompt, cold_joins=False)
         if "f" in args.only:
-            section_hot_swap(b, eng, prompt, args.swaps, tuple(m == "on" for m in args.load_ahead.split(",")))
+            section_hot_swap(
+                b,
+                eng,
+                prompt,
+                args.swaps,
+                tuple(m == "on" for m in args.load_ahead.split(",")),
+                tuple(m == "on" for m in args.compose_late.split(",")),
+            )
+        if "p" in args.only:
+            section_pacing(b, eng, prompt)
         eng.stop()
         del eng
         free_gpu_memory()

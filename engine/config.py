@@ -58,6 +58,10 @@ class EngineConfig:
     # H200 with graphs (bench/RESULTS-gpu.md, stop 23): decode tokens/s 1.15-1.28x sync steps; eager CUDA steps
     # 0.73-1.01x, and a CPU engine has no device queue to keep fed, hence off for those.
     async_steps: str = "auto"
+    # With async steps: on composes the next step late in the step in flight, or as soon as a request arrives
+    # or an adapter's load ends, so such requests join the next step instead of the one after it
+    # (engine/step_pacing.py) | off composes it as soon as the step in flight starts | auto (on)
+    compose_late: str = "auto"
     # on: CUDA decode steps fold the q/k/v, gate/up and down LoRA shrinks into the norm and SiLU kernels that
     # write their inputs (engine/kernels_shrink_fused.py): three launches a layer fewer. Measured on an H200
     # (bench/RESULTS-gpu.md): graphed steps 0.99-1.00x, eager ones 1.02-1.12x, hence off by default.
@@ -134,6 +138,8 @@ class EngineConfig:
             raise ValueError(f"prefix_caching must be on or off, got {self.prefix_caching!r}")
         if self.async_steps not in ("auto", "on", "off"):
             raise ValueError(f"async_steps must be auto, on or off, got {self.async_steps!r}")
+        if self.compose_late not in ("auto", "on", "off"):
+            raise ValueError(f"compose_late must be auto, on or off, got {self.compose_late!r}")
         if self.warm_up not in ("auto", "on", "off"):
             raise ValueError(f"warm_up must be auto, on or off, got {self.warm_up!r}")
         if self.fold_lora_shrinks not in ("on", "off"):

@@ -35,7 +35,8 @@ from engine.prefix_cache import PrefixCache
 from engine.sampling import SamplingParams, make_generator
 from engine.scheduler import Scheduler
 from engine.sequence import OutputSink, SeqStatus, Sequence
-from engine.step_forward import InFlight, StepForward, StepTrace
+from engine.step_forward import InFlight, StepForward, StepTrace, step_start_event
+from engine.step_pacing import ComposePacer
 from engine.step_sampling import sample_step
 from engine.structured import StructuredOutputs
 from engine.tokenizer import IncrementalDecoder, Tokenizer
@@ -116,6 +117,11 @@ class LLMEngine:
         self.async_steps = config.async_steps == "on" or (config.async_steps == "auto" and graphed)
         self.fills_ahead = config.adapter_fills_ahead
         self._inflight: InFlight | None = None
+        # Async steps: the next step is composed late in the step in flight, or at once when something arrives
+        # (`EngineConfig.compose_late`); benchmarks may set it to None. `_inflight_since`: when the step in
+        # flight started on the device, by the engine thread's clock.
+        self.pacer = ComposePacer() if self.async_steps and config.compose_late != "off" else None
+        self._inflight_since = 0.0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._settled = self.device.type == "cuda"  # only a GPU engine's step loop is Python-bound
         if config.warm_up == "on" or (config.warm_up == "auto" and graphed):
@@ -381,11 +387,20 @@ class LLMEngine:
 
         With `async_steps` the step's tokens stay on the device: the next step reads its inputs from there,
         and the engine thread handles this step's tokens (detokenizing, stop checks, outputs) while the GPU
-        already runs the next one. A sequence that the previous step ended (an end token, a stop string)
-        still decodes one row in this step, whose token is dropped; one that it ends by length does not. A
-        constrained sequence (a structured output) reads its token first: its grammar's mask follows that token.
+        already runs the next one. The engine thread composes this step late in the one in flight, or as soon
+        as a request arrives or a load ends (`pacer`, engine/step_pacing.py). A sequence that the previous step
+        ended (an end token, a stop string) still decodes one row in this step, whose token is dropped; one that
+        it ends by length does not. A constrained sequence (a structured output) reads its token first: its
+        grammar's mask follows that token.
         """
         previous, self._inflight = self._inflight, None
+        pacer = self.pacer if self.step_trace is None else None
+        if previous is not None and pacer is not None:
+            # Requests that arrive while `previous` runs, and loads that end meanwhile, join this step.
+            pacer.wait(previous, self._inflight_since, self._wakeup, lambda: not self._commands.empty())
+            self._drain_commands()
+        composing = time.perf_counter()
+        started = step_start_event(self.device) if pacer is not None else None
         trace = StepTrace(self.device, self.pool.slot_misses) if self.step_trace is not None else None
         prefills = self.scheduler.schedule()
         ending = previous.rows if previous is not None else {}
@@ -414,12 +429,20 @@ class LLMEngine:
                 self._complete(previous)
             return
         tokens, logprobs = sample_step(order, logits, self.tokenizer.eos_token_ids, previous)
+        launched = time.perf_counter()  # the step's device work is queued
+        if pacer is not None:
+            pacer.composed(launched - composing)
         self.steps += 1
         self._fill_ahead()
         if self.async_steps and self.step_trace is None:  # a trace times each phase up to its own tokens
-            self._inflight = InFlight.launch(order, tokens, self.forward.readback, logprobs)
+            self._inflight = InFlight.launch(order, tokens, self.forward.readback, logprobs, started)
+            # The new step starts on the device as `previous` ends, or at its launch if that ended before.
+            self._inflight_since = launched
             if previous is not None:
+                ended = previous.done()
                 self._complete(previous)
+                if not ended:
+                    self._inflight_since = time.perf_counter()
             return
         values = tokens.tolist()
         if previous is not None:
@@ -446,7 +469,10 @@ class LLMEngine:
     def _complete(self, flight: InFlight) -> None:
         """Hand a step's tokens to their sequences; those finished since it was launched drop theirs."""
         chosen = read_logprobs(flight.logprobs, len(flight.order))
-        for seq, token, logprobs in zip(flight.order, flight.read(), chosen, strict=True):
+        tokens = flight.read()
+        if self.pacer is not None:
+            self.pacer.ran(flight)
+        for seq, token, logprobs in zip(flight.order, tokens, chosen, strict=True):
             if seq.status is SeqStatus.RUNNING:
                 self._append(seq, token, logprobs)
 

@@ -42,18 +42,36 @@ class InFlight:
     host: torch.Tensor  # the same, copied without waiting (page-locked on CUDA)
     copied: torch.cuda.Event | None
     logprobs: StepLogprobs | None = None
+    started: torch.cuda.Event | None = None  # recorded before the step's first device work, when timed
 
     @staticmethod
     def launch(
-        order: list[Sequence], tokens: torch.Tensor, readback: TokenReadback, logprobs: StepLogprobs | None = None
+        order: list[Sequence],
+        tokens: torch.Tensor,
+        readback: TokenReadback,
+        logprobs: StepLogprobs | None = None,
+        started: torch.cuda.Event | None = None,
     ) -> InFlight:
+        """Copy the step's tokens back without waiting. `started` (a timing event, `step_start_event`) times
+        the step on the device."""
         if not tokens.is_cuda:
             return InFlight(order, tokens, tokens, None, logprobs)
         host = readback.take(tokens.shape[0])
         host.copy_(tokens, non_blocking=True)
-        copied = torch.cuda.Event()
+        copied = torch.cuda.Event(enable_timing=started is not None)
         copied.record()
-        return InFlight(order, tokens, host, copied, logprobs)
+        return InFlight(order, tokens, host, copied, logprobs, started)
+
+    def done(self) -> bool:
+        """Whether the device has finished the step: its tokens read now would not wait."""
+        return self.copied is None or self.copied.query()
+
+    def device_seconds(self) -> float | None:
+        """The step's time on the device, from its first work to its tokens' copy; None where not timed.
+        Call once it is done."""
+        if self.started is None or self.copied is None:
+            return None
+        return self.started.elapsed_time(self.copied) / 1e3
 
     @functools.cached_property
     def rows(self) -> dict[Sequence, int]:
@@ -64,6 +82,15 @@ class InFlight:
         if self.copied is not None:
             self.copied.synchronize()
         return list(self.host.tolist())
+
+
+def step_start_event(device: torch.device) -> torch.cuda.Event | None:
+    """A timing event recorded now on `device`'s current stream, ahead of a step's work (CUDA; else None)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 class TokenReadback:

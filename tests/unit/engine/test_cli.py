@@ -87,6 +87,14 @@ def test_async_steps_flag() -> None:
         config_from(parser.parse_args(["--async-steps", "always"])).validate()
 
 
+def test_compose_late_flag() -> None:
+    parser = build_parser()
+    assert config_from(parser.parse_args([])).compose_late == "auto"
+    assert config_from(parser.parse_args(["--compose-late", "off"])).compose_late == "off"
+    with pytest.raises(ValueError, match="compose_late must be auto, on or off"):
+        config_from(parser.parse_args(["--compose-late", "later"])).validate()
+
+
 def test_warm_up_flag() -> None:
     parser = build_parser()
     assert config_from(parser.parse_args([])).warm_up == "auto"

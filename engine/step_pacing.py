@@ -1,0 +1,104 @@
+"""When the engine thread composes its next step while one runs on the GPU (async steps).
+
+With async steps the engine launches step k+1 before it reads step k's tokens, so the GPU never waits for the
+engine thread. Composed as soon as step k starts, step k+1 leaves out every request that arrives while step k
+runs, and every request whose adapter finishes loading meanwhile (a cold start, a hot swap's new version):
+they wait for step k+2, and their first token comes a whole step later than it could.
+
+`ComposePacer` holds the composition of step k+1 back until step k is about to end, and ends the wait at once
+when something arrives (`LLMEngine._wake`: a request, an adapter command, a finished load), so that it joins
+step k+1. "About to end": the shortest of the last steps' device times (CUDA events) after step k started,
+less the longest of the last compositions (the engine thread's time from the wait's end to the launch) and a
+slack. The estimates err towards composing early, which costs nothing; a step that ends before the wait does
+(polled every `poll_s`) is composed at once, and the GPU then idles for one composition.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+
+class StepInFlight(Protocol):
+    """A launched step, as the pacer sees it (`engine.step_forward.InFlight`)."""
+
+    def done(self) -> bool:
+        """Whether the device has finished the step (its tokens can be read without waiting)."""
+        ...
+
+    def device_seconds(self) -> float | None:
+        """The step's time on the device, once done; None where it was not timed."""
+        ...
+
+
+class Wakeup(Protocol):
+    """What wakes the engine thread (`threading.Event`)."""
+
+    def clear(self) -> None: ...
+
+    def is_set(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+class ComposePacer:
+    """Decides how long the engine thread waits before composing the next step (see the module docstring).
+
+    `window`: how many recent steps and compositions the estimates look back on.
+    """
+
+    def __init__(
+        self,
+        window: int = 16,
+        slack_s: float = 0.0005,
+        poll_s: float = 0.0005,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if window < 1:
+            raise ValueError(f"window must be positive, got {window}")
+        self.slack_s, self.poll_s, self.clock = slack_s, poll_s, clock
+        self._device_s: collections.deque[float] = collections.deque(maxlen=window)
+        self._compose_s: collections.deque[float] = collections.deque(maxlen=window)
+        self.waits = 0  # compositions held back (tests, benchmarks)
+        self.woken = 0  # of which ended by an arrival
+
+    def deadline(self, since: float) -> float | None:
+        """When to compose the next step, for a step in flight that started on the device at `since` (the
+        clock's time); None until a step and a composition were measured."""
+        if not self._device_s or not self._compose_s:
+            return None
+        return since + min(self._device_s) - max(self._compose_s) - self.slack_s
+
+    def wait(self, flight: StepInFlight, since: float, wake: Wakeup, arrived: Callable[[], bool]) -> float:
+        """Block until the next step should be composed: `flight` is near its end or done, or something
+        arrived (`wake` set after this call began, or `arrived()`). Returns the clock's time at the end.
+
+        `wake` is cleared first: an earlier set was for work the caller has already taken in."""
+        wake.clear()
+        deadline = self.deadline(since)
+        now = self.clock()
+        if deadline is None or now >= deadline:
+            return now
+        self.waits += 1
+        while True:
+            if arrived() or wake.is_set():
+                self.woken += 1
+                return self.clock()
+            if flight.done():
+                return self.clock()
+            now = self.clock()
+            if now >= deadline:
+                return now
+            wake.wait(min(deadline - now, self.poll_s))
+
+    def composed(self, seconds: float) -> None:
+        """Record one composition's time on the engine thread (from the wait's end to the launch)."""
+        self._compose_s.append(seconds)
+
+    def ran(self, flight: StepInFlight) -> None:
+        """Record a read step's device time, where it was timed."""
+        seconds = flight.device_seconds()
+        if seconds is not None:
+            self._device_s.append(seconds)
