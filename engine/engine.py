@@ -395,11 +395,12 @@ class LLMEngine:
         """
         previous, self._inflight = self._inflight, None
         pacer = self.pacer if self.step_trace is None else None
-        if previous is not None and pacer is not None:
-            # Requests that arrive while `previous` runs, and loads that end meanwhile, join this step.
-            pacer.wait(previous, self._inflight_since, self._wakeup, lambda: not self._commands.empty())
-            self._drain_commands()
         composing = time.perf_counter()
+        if previous is not None and pacer is not None:
+            # Requests that arrive while `previous` runs, and loads that end meanwhile, join this step. Timed
+            # from when the composition was due, so a late wake-up (the GIL held elsewhere) counts in it.
+            composing = pacer.wait(previous, self._inflight_since, self._wakeup, lambda: not self._commands.empty())
+            self._drain_commands()
         started = step_start_event(self.device) if pacer is not None else None
         trace = StepTrace(self.device, self.pool.slot_misses) if self.step_trace is not None else None
         prefills = self.scheduler.schedule()
@@ -430,19 +431,24 @@ class LLMEngine:
             return
         tokens, logprobs = sample_step(order, logits, self.tokenizer.eos_token_ids, previous)
         launched = time.perf_counter()  # the step's device work is queued
+        # Its device time is its own only if it was all queued before the device ran dry; else it counts the
+        # device's wait for this thread too.
+        queued_ahead = previous is not None and not previous.done()
         if pacer is not None:
             pacer.composed(launched - composing)
         self.steps += 1
         self._fill_ahead()
         if self.async_steps and self.step_trace is None:  # a trace times each phase up to its own tokens
-            self._inflight = InFlight.launch(order, tokens, self.forward.readback, logprobs, started)
-            # The new step starts on the device as `previous` ends, or at its launch if that ended before.
+            timed = started if queued_ahead else None
+            self._inflight = InFlight.launch(order, tokens, self.forward.readback, logprobs, timed)
+            # The new step starts on the device as `previous` ends (when its tokens came back, if this thread
+            # waited for them), or about when it was queued if `previous` had ended by then.
             self._inflight_since = launched
             if previous is not None:
-                ended = previous.done()
-                self._complete(previous)
-                if not ended:
-                    self._inflight_since = time.perf_counter()
+                waited = not previous.done()
+                read_at = self._complete(previous)
+                if waited:
+                    self._inflight_since = read_at
             return
         values = tokens.tolist()
         if previous is not None:
@@ -466,15 +472,18 @@ class LLMEngine:
         """Whether the token in flight for `seq` ends it by max_tokens or the context length."""
         return len(seq.output_ids) + 1 >= seq.params.max_tokens or seq.context_len + 1 >= self.max_model_len
 
-    def _complete(self, flight: InFlight) -> None:
-        """Hand a step's tokens to their sequences; those finished since it was launched drop theirs."""
+    def _complete(self, flight: InFlight) -> float:
+        """Hand a step's tokens to their sequences; those finished since it was launched drop theirs. Returns
+        when the tokens were read (`time.perf_counter`), before they were handed on."""
         chosen = read_logprobs(flight.logprobs, len(flight.order))
         tokens = flight.read()
+        read_at = time.perf_counter()
         if self.pacer is not None:
             self.pacer.ran(flight)
         for seq, token, logprobs in zip(flight.order, tokens, chosen, strict=True):
             if seq.status is SeqStatus.RUNNING:
                 self._append(seq, token, logprobs)
+        return read_at
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> None:
         """Hand `token` (with its `logprobs` when the request asked) to `seq`: its output, or its end."""

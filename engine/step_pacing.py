@@ -7,10 +7,13 @@ they wait for step k+2, and their first token comes a whole step later than it c
 
 `ComposePacer` holds the composition of step k+1 back until step k is about to end, and ends the wait at once
 when something arrives (`LLMEngine._wake`: a request, an adapter command, a finished load), so that it joins
-step k+1. "About to end": the shortest of the last steps' device times (CUDA events) after step k started,
-less the longest of the last compositions (the engine thread's time from the wait's end to the launch) and a
-slack. The estimates err towards composing early, which costs nothing; a step that ends before the wait does
-(polled every `poll_s`) is composed at once, and the GPU then idles for one composition.
+step k+1. "About to end": the shortest of the last steps' device times (CUDA events; only steps queued whole
+before the device ran dry) after step k started (when the engine thread read step k-1's tokens, having waited
+for them), less the longest of the last compositions and a slack. A composition is timed from when it was due
+to the launch of its step, so a wake-up that came late (the GIL held by another thread, say) counts in it and
+moves the next deadlines earlier. Composing early costs nothing but the wait's purpose; composing late leaves
+the GPU idle. A step that ends before the wait does (polled every `poll_s`) is composed at once, and the GPU
+then idles for one composition.
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ class ComposePacer:
 
     def wait(self, flight: StepInFlight, since: float, wake: Wakeup, arrived: Callable[[], bool]) -> float:
         """Block until the next step should be composed: `flight` is near its end or done, or something
-        arrived (`wake` set after this call began, or `arrived()`). Returns the clock's time at the end.
+        arrived (`wake` set after this call began, or `arrived()`). Returns when the composition was due: the
+        deadline where the wait ran to it (however late this thread woke), else the clock's time at its end.
 
         `wake` is cleared first: an earlier set was for work the caller has already taken in."""
         wake.clear()
@@ -90,11 +94,16 @@ class ComposePacer:
                 return self.clock()
             now = self.clock()
             if now >= deadline:
-                return now
+                return deadline
             wake.wait(min(deadline - now, self.poll_s))
 
+    @property
+    def device_times(self) -> tuple[float, ...]:
+        """The recent steps' device times the estimates use, in seconds (tests, benchmarks)."""
+        return tuple(self._device_s)
+
     def composed(self, seconds: float) -> None:
-        """Record one composition's time on the engine thread (from the wait's end to the launch)."""
+        """Record one composition's time on the engine thread (from when it was due to its step's launch)."""
         self._compose_s.append(seconds)
 
     def ran(self, flight: StepInFlight) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -360,6 +361,26 @@ def test_async_steps_match_eager(engines: tuple[LLMEngine, LLMEngine]) -> None:
         assert _join(graphed, prompts, names) == _join(eager, prompts, names)
     finally:
         graphed.async_steps = False
+
+
+def test_the_pacer_gets_each_steps_device_time(engines: tuple[LLMEngine, LLMEngine]) -> None:
+    """Late composition on a GPU (`compose_late` auto, async steps): the tokens of the eager engine, and device
+    times for the pacer's estimates, each shorter than the whole run and than the steps' share of it."""
+    eager, graphed = engines
+    pacer = graphed.pacer
+    assert pacer is not None  # async steps by default where decode steps replay graphs
+    was, graphed.async_steps = graphed.async_steps, True
+    try:
+        requests = list(zip(_prompts(eager, 4), [None, "r16", None, "r8-qv"], strict=True))
+        steps, start = graphed.steps, time.perf_counter()
+        got = _generate(graphed, requests, tokens=32)
+        wall, steps = time.perf_counter() - start, graphed.steps - steps
+        assert got == _generate(eager, requests, tokens=32)
+        times = pacer.device_times
+        assert times and all(0.0 < t < wall for t in times)
+        assert min(times) <= wall / steps  # a decode step's device time is within its share of the wall time
+    finally:
+        graphed.async_steps = was
 
 
 def test_lora_inside_the_gemms_matches_the_separate_kernels(

@@ -1,8 +1,9 @@
 """The engine's late composition (`EngineConfig.compose_late`) through its step loop on a tiny CPU model with
-async steps: a request that arrives while the next step waits to be composed joins that very step.
+async steps: what ends the wait before a step's composition, and what the pacer is told.
 
 A CPU step is done once launched, so these tests stand in for a step that runs on a device for a while
-(`InFlight.done` patched, the pacer given that step's time); tests/gpu times real steps."""
+(`InFlight.done` patched, the pacer given that step's time). tests/gpu/test_engine_gpu.py checks the device
+times a GPU engine's pacer gets."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import engine.engine as engine_module
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput, SeqStatus
@@ -102,3 +104,92 @@ def test_without_an_arrival_the_step_is_composed_at_the_deadline(engine: LLMEngi
     engine.pacer = None
     engine.run_until_idle()
     assert sum(len(o.token_ids) for o in outputs) == PARAMS.max_tokens and outputs[-1].finish_reason == "length"
+
+
+def started_step(engine: LLMEngine, outputs: list[RequestOutput], step_seconds: float) -> ComposePacer:
+    """One request's prefill in flight, then a pacer that expects each step to take `step_seconds`."""
+    add(engine, "first", outputs)
+    engine._drain_commands()
+    engine.step()
+    return pace(engine, step_seconds)
+
+
+def test_a_finished_load_ends_the_wait(engine: LLMEngine) -> None:
+    outputs: list[RequestOutput] = []
+    pacer = started_step(engine, outputs, step_seconds=30.0)
+    waker = threading.Timer(0.05, engine._wake)  # what `AdapterPool.on_loaded` calls: no command queued
+    waker.start()
+    start = time.perf_counter()
+    engine.step()
+    waker.join()
+    assert (pacer.waits, pacer.woken) == (1, 1) and time.perf_counter() - start < 20.0
+
+
+def test_a_command_queued_before_the_step_ends_the_wait_at_once(engine: LLMEngine) -> None:
+    outputs: list[RequestOutput] = []
+    pacer = started_step(engine, outputs, step_seconds=30.0)
+    ran: list[bool] = []
+    engine._commands.put(lambda: ran.append(True))  # queued, its wake-up already taken (cleared by the wait)
+    start = time.perf_counter()
+    engine.step()
+    assert ran == [True] and (pacer.waits, pacer.woken) == (1, 1) and time.perf_counter() - start < 20.0
+
+
+def test_a_traced_step_is_not_held_back(engine: LLMEngine) -> None:
+    outputs: list[RequestOutput] = []
+    pacer = started_step(engine, outputs, step_seconds=30.0)
+    engine.step_trace = []
+    start = time.perf_counter()
+    engine.step()
+    assert pacer.waits == 0 and time.perf_counter() - start < 20.0 and len(engine.step_trace) == 1
+
+
+def test_the_step_in_flight_starts_when_the_tokens_before_it_are_read(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not after they are handed on: the handling of a step's tokens runs while the next step runs."""
+    outputs: list[RequestOutput] = []
+    started_step(engine, outputs, step_seconds=0.0)  # no wait: composed at once
+    add(engine, "second", outputs)
+    engine._drain_commands()
+    engine.step()  # both decoding from here
+    read_at: list[float] = []
+    read = InFlight.read
+
+    def timed_read(flight: InFlight) -> list[int]:
+        tokens = read(flight)
+        read_at.append(time.perf_counter())
+        return tokens
+
+    append = engine._append
+
+    def slow_append(*args: object, **kwargs: object) -> None:
+        time.sleep(0.02)
+        append(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(InFlight, "read", timed_read)
+    monkeypatch.setattr(engine, "_append", slow_append)
+    engine.step()
+    assert len(read_at) == 1 and engine._inflight_since == pytest.approx(read_at[0], abs=0.005)  # not 40 ms later
+
+
+@pytest.mark.parametrize("ended", [False, True], ids=["queued-ahead", "queued-late"])
+def test_only_a_step_queued_before_the_device_ran_dry_is_timed(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, ended: bool
+) -> None:
+    """A step queued after the one before it had ended would count the device's wait for the engine thread."""
+    outputs: list[RequestOutput] = []
+    started_step(engine, outputs, step_seconds=0.0)
+    event = object()
+    monkeypatch.setattr(engine_module, "step_start_event", lambda device: event)
+    monkeypatch.setattr(InFlight, "done", lambda self: ended)
+    launches: list[object] = []
+    launch = InFlight.launch
+
+    def recorded(*args: object) -> InFlight:
+        launches.append(args[-1])
+        return launch(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(InFlight, "launch", recorded)
+    engine.step()
+    assert launches == [None if ended else event]

@@ -24,6 +24,7 @@ class Wake:
     clock: Clock
     set_at: float | None = None
     flag: bool = False
+    oversleep: float = 0.0  # how much later than asked each wait returns (the GIL held elsewhere)
     waited: list[float] = field(default_factory=list)
 
     def clear(self) -> None:
@@ -40,7 +41,7 @@ class Wake:
             self.clock.now = max(self.clock.now, self.set_at)
             self.flag = True
         else:
-            self.clock.now = until
+            self.clock.now = until + self.oversleep
         return self.flag
 
 
@@ -147,3 +148,13 @@ def test_untimed_steps_are_not_measured_and_the_window_forgets() -> None:
     assert pacer.deadline(0.0) == pytest.approx(0.009)
     with pytest.raises(ValueError, match="window must be positive"):
         ComposePacer(window=0)
+
+
+def test_a_late_wake_up_returns_when_the_composition_was_due() -> None:
+    clock = Clock()
+    pacer = measured(clock, [0.010], [0.001], slack_s=0.0, poll_s=0.020)
+    wake = Wake(clock, oversleep=0.004)
+    assert pacer.wait(Flight(clock), 100.0, wake, nothing_arrived) == pytest.approx(100.009)  # due then
+    assert clock.now == pytest.approx(100.013)  # though the thread woke 4 ms later
+    pacer.composed(clock.now + 0.001 - 100.009)  # so the composition counts the late wake-up
+    assert pacer.deadline(200.0) == pytest.approx(200.005)
