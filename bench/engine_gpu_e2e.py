@@ -38,6 +38,7 @@ from engine.loader import resolve_model
 from engine.pool import AdapterState, AdapterVersion
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
+from engine.step_pacing import ComposePacer
 from engine.tokenizer import Tokenizer
 from tests.support.random_model import SHAPES, write_random_llama
 from tests.unit.engine.tiny import write_adapter
@@ -831,14 +832,19 @@ def section_hot_swap(
             report_loader(f"(f) {name} on / off, p50 apply -> first token: {p50(on) / p50(off):.3f}x")
 
 
-def section_pacing(b: Bench, eng: LLMEngine, prompt: list[int], rounds: int = 3, probes: int = 12) -> None:
-    """(p) the engine's late composition (its pacer) on and off, in turn on one engine while `b.running` base
-    requests decode: the TTFT of requests that arrive at random moments from another thread (as a server's
-    do), and the decode steps per second with nothing arriving (what holding the composition back may cost)."""
-    pacer = eng.pacer
-    if pacer is None:
+def section_pacing(
+    b: Bench, eng: LLMEngine, prompt: list[int], slacks_ms: list[float], rounds: int = 3, probes: int = 12
+) -> None:
+    """(p) the engine's late composition (its pacer, one per slack of `slacks_ms`) and none, in turn on one
+    engine while `b.running` base requests decode: the TTFT of requests that arrive at random moments from
+    another thread (as a server's do), and the decode steps per second with nothing arriving (what holding the
+    composition back may cost), with how many of those steps the GPU ran dry before (`LLMEngine.dry_launches`)."""
+    if eng.pacer is None:
         report_loader("(p) skipped: the engine composes no step late (async steps off or compose_late off)")
         return
+    modes: dict[str, ComposePacer | None] = {"off": None}
+    modes.update({f"on, slack {ms:g} ms": ComposePacer(slack_s=ms / 1e3) for ms in slacks_ms})
+    original = eng.pacer
     live: set[str] = set()
     made = 0
 
@@ -855,32 +861,33 @@ def section_pacing(b: Bench, eng: LLMEngine, prompt: list[int], rounds: int = 3,
                 None,
                 lambda o, rid=rid: live.discard(rid) if o.finish_reason else None,  # type: ignore[misc]
             )
-        for _ in range(4):  # their prefills, before anything is timed
+        for _ in range(4):  # their prefills, before anything is timed (and the mode's pacer measures steps)
             eng._drain_commands()
             eng.step()
 
-    ttfts: dict[bool, list[float]] = {True: [], False: []}
-    rates: dict[bool, list[float]] = {True: [], False: []}
-    held = 0  # of the steps timed with the pacer on, those whose composition it held back
+    ttfts: dict[str, list[float]] = {m: [] for m in modes}
+    rates: dict[str, list[float]] = {m: [] for m in modes}
+    dry = dict.fromkeys(modes, 0)  # steady steps launched after the device had finished the one before
+    held = dict.fromkeys(modes, 0)  # steady compositions the pacer held back
+    steady = 30
     rng = random.Random(7)
     for r in range(rounds):
-        for late in (True, False):
-            eng.pacer = pacer if late else None
+        for m, pacer in modes.items():
+            eng.pacer = pacer
             refill()
-            start, waits_before = time.perf_counter(), pacer.waits
-            for _ in range(30):
+            start, dry_before = time.perf_counter(), eng.dry_launches
+            waits_before = pacer.waits if pacer is not None else 0
+            for _ in range(steady):
                 eng._drain_commands()
                 eng.step()
-            rates[late].append(30 / (time.perf_counter() - start))
-            if late:
-                held += pacer.waits - waits_before
+            rates[m].append(steady / (time.perf_counter() - start))
+            dry[m] += eng.dry_launches - dry_before
+            held[m] += (pacer.waits if pacer is not None else 0) - waits_before
             for k in range(probes):
                 arrived: list[float] = []
                 first: list[float] = []
 
-                def send(
-                    rid: str = f"pp{r}{late:d}{k}", arrived: list[float] = arrived, first: list[float] = first
-                ) -> None:
+                def send(rid: str = f"pp{r}{m}{k}", arrived: list[float] = arrived, first: list[float] = first) -> None:
                     arrived.append(time.perf_counter())
                     send_timed(eng, rid, prompt, None, first)
 
@@ -890,24 +897,27 @@ def section_pacing(b: Bench, eng: LLMEngine, prompt: list[int], rounds: int = 3,
                     eng._drain_commands()
                     eng.step()
                 timer.join()
-                ttfts[late].append(first[0] - arrived[0])
-    eng.pacer = pacer
-    on, off = ttfts[True], ttfts[False]
+                ttfts[m].append(first[0] - arrived[0])
+    eng.pacer = original
 
     def p90(values: list[float]) -> float:
         return statistics.quantiles(values, n=10, method="inclusive")[8]
 
-    report_loader(
-        f"(p) TTFT of a request arriving at a random moment while {b.running} decode, p50 (p90) over "
-        f"{len(on)} each: compose late on {p50(on) * 1e3:.2f} ms ({p90(on) * 1e3:.2f}), off "
-        f"{p50(off) * 1e3:.2f} ms ({p90(off) * 1e3:.2f}): on / off {p50(on) / p50(off):.3f}x"
-    )
-    report_loader(
-        f"(p) decode steps/s with nothing arriving, p50 of {rounds}: on {p50(rates[True]):.1f}, off "
-        f"{p50(rates[False]):.1f}: on / off {p50(rates[True]) / p50(rates[False]):.3f}x (the pacer held back "
-        f"{held} of the {30 * rounds} compositions timed with it on; its step estimate "
-        f"{min(pacer.device_times, default=0.0) * 1e3:.2f} ms)"
-    )
+    off_ttft, off_rate = p50(ttfts["off"]), p50(rates["off"])
+    for m, pacer in modes.items():
+        estimate = ""
+        if pacer is not None:
+            estimate = (
+                f"; its last estimates: step {min(pacer.device_times, default=0.0) * 1e3:.2f} ms, composition "
+                f"{max(pacer.compose_times, default=0.0) * 1e3:.2f} ms"
+            )
+        report_loader(
+            f"(p) compose late {m}, while {b.running} decode: TTFT of a request arriving at a random moment p50 "
+            f"{p50(ttfts[m]) * 1e3:.2f} ms (p90 {p90(ttfts[m]) * 1e3:.2f}; {p50(ttfts[m]) / off_ttft:.3f}x off), "
+            f"decode steps/s with nothing arriving {p50(rates[m]):.1f} ({p50(rates[m]) / off_rate:.3f}x off; "
+            f"p50 of {rounds} rounds of {steady}); of those {rounds * steady} steps, {dry[m]} launched after the "
+            f"device had finished the one before, {held[m]} composed after a wait{estimate}"
+        )
 
 
 def main() -> None:
@@ -982,6 +992,12 @@ def main() -> None:
         help="(f) and (p): the engine's late composition (its pacer), e.g. on,off: (f)'s swaps alternate between "
         "them, --swaps of each",
     )
+    ap.add_argument(
+        "--pacer-slack-ms",
+        default=str(ComposePacer().slack_s * 1e3),
+        help="(p): the pacer's slack (ms) of each pacer compared with none, e.g. 0.5,1.5 (default: the engine's)",
+    )
+    ap.add_argument("--pacing-rounds", type=int, default=3, help="(p): rounds over the modes")
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
     ap.add_argument(
         "--async-steps",
@@ -1096,7 +1112,7 @@ def main() -> None:
                 tuple(m == "on" for m in args.compose_late.split(",")),
             )
         if "p" in args.only:
-            section_pacing(b, eng, prompt)
+            section_pacing(b, eng, prompt, [float(ms) for ms in args.pacer_slack_ms.split(",")], args.pacing_rounds)
         eng.stop()
         del eng
         free_gpu_memory()

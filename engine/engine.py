@@ -110,6 +110,9 @@ class LLMEngine:
         self._live: dict[str, Sequence] = {}
         self.steps = 0
         self.tokens_generated = 0
+        # Async steps launched after the device had finished the step in flight before them: the device
+        # waited for the engine thread (benchmarks).
+        self.dry_launches = 0
         # Benchmarks set a list here to get each step's phases: (schedule, decode, prefill, eager, sample)
         # seconds and (admitted, slot misses); each phase ends with a device sync while it is set.
         self.step_trace: list[tuple[tuple[float, ...], tuple[int, int]]] | None = None
@@ -434,6 +437,7 @@ class LLMEngine:
         # Its device time is its own only if it was all queued before the device ran dry; else it counts the
         # device's wait for this thread too.
         queued_ahead = previous is not None and not previous.done()
+        self.dry_launches += previous is not None and not queued_ahead
         if pacer is not None:
             pacer.composed(launched - composing)
         self.steps += 1

@@ -102,6 +102,11 @@ class ComposePacer:
         """The recent steps' device times the estimates use, in seconds (tests, benchmarks)."""
         return tuple(self._device_s)
 
+    @property
+    def compose_times(self) -> tuple[float, ...]:
+        """The recent compositions' times the estimates use, in seconds (benchmarks)."""
+        return tuple(self._compose_s)
+
     def composed(self, seconds: float) -> None:
         """Record one composition's time on the engine thread (from when it was due to its step's launch)."""
         self._compose_s.append(seconds)
