@@ -1102,6 +1102,8 @@ def main() -> None:
             section_others_during_loads(b, eng, prompt)
         elif "j" in args.only:
             section_others_during_loads(b, eng, prompt, cold_joins=False)
+        if "p" in args.only:
+            section_pacing(b, eng, prompt, [float(ms) for ms in args.pacer_slack_ms.split(",")], args.pacing_rounds)
         if "f" in args.only:
             section_hot_swap(
                 b,
@@ -1111,8 +1113,6 @@ def main() -> None:
                 tuple(m == "on" for m in args.load_ahead.split(",")),
                 tuple(m == "on" for m in args.compose_late.split(",")),
             )
-        if "p" in args.only:
-            section_pacing(b, eng, prompt, [float(ms) for ms in args.pacer_slack_ms.split(",")], args.pacing_rounds)
         eng.stop()
         del eng
         free_gpu_memory()
