@@ -833,56 +833,61 @@ def section_hot_swap(
 
 
 def section_pacing(
-    b: Bench, eng: LLMEngine, prompt: list[int], slacks_ms: list[float], rounds: int = 3, probes: int = 12
+    b: Bench, eng: LLMEngine, prompt: list[int], slacks_ms: list[float], rounds: int = 4, probes: int = 4
 ) -> None:
-    """(p) the engine's late composition (its pacer, one per slack of `slacks_ms`) and none, in turn on one
-    engine while `b.running` base requests decode: the TTFT of requests that arrive at random moments from
-    another thread (as a server's do), and the decode steps per second with nothing arriving (what holding the
-    composition back may cost), with how many of those steps the GPU ran dry before (`LLMEngine.dry_launches`)."""
+    """(p) the engine's late composition (its pacer, one per slack of `slacks_ms`) and none, side by side on one
+    engine while `b.running` base requests decode: the decode steps per second with nothing arriving (what
+    holding the composition back may cost), with how many of those steps the GPU ran dry before
+    (`LLMEngine.dry_launches`), and the TTFT of requests that arrive at random moments from another thread (as
+    a server's do).
+
+    A decode step's time grows with its requests' KV length, so the modes take turns in short blocks, the same
+    requests decoding throughout: `rounds` rounds of a block of steady steps per mode, then `rounds` rounds of
+    `probes` arrivals per mode."""
     if eng.pacer is None:
         report_loader("(p) skipped: the engine composes no step late (async steps off or compose_late off)")
         return
     modes: dict[str, ComposePacer | None] = {"off": None}
     modes.update({f"on, slack {ms:g} ms": ComposePacer(slack_s=ms / 1e3) for ms in slacks_ms})
     original = eng.pacer
-    live: set[str] = set()
-    made = 0
-
-    def refill() -> None:
-        nonlocal made
-        while len(live) < b.running:
-            rid = f"pbg{made}"
-            made += 1
-            live.add(rid)
-            eng.add_request(
-                rid,
-                prompt,
-                SamplingParams(max_tokens=200, ignore_eos=True),
-                None,
-                lambda o, rid=rid: live.discard(rid) if o.finish_reason else None,  # type: ignore[misc]
-            )
-        for _ in range(4):  # their prefills, before anything is timed (and the mode's pacer measures steps)
-            eng._drain_commands()
-            eng.step()
-
-    ttfts: dict[str, list[float]] = {m: [] for m in modes}
-    rates: dict[str, list[float]] = {m: [] for m in modes}
+    block, warm = 6, 2  # steady steps timed per turn, and steps before them (the mode's pacer measures them)
+    tokens = len(modes) * rounds * (block + warm + probes * 5) + 16
+    if len(prompt) + tokens > eng.max_model_len:
+        raise SystemExit(f"(p) needs {len(prompt) + tokens} tokens a request; lower --pacing-rounds")
+    done: list[str] = []
+    for j in range(b.running):
+        eng.add_request(
+            f"pbg{j}",
+            prompt,
+            SamplingParams(max_tokens=tokens, ignore_eos=True),
+            None,
+            lambda o, j=j: done.append(f"pbg{j}") if o.finish_reason else None,  # type: ignore[misc]
+        )
+    for _ in range(4):  # their prefills
+        eng._drain_commands()
+        eng.step()
+    seconds = dict.fromkeys(modes, 0.0)
     dry = dict.fromkeys(modes, 0)  # steady steps launched after the device had finished the one before
     held = dict.fromkeys(modes, 0)  # steady compositions the pacer held back
-    steady = 30
+    for _ in range(rounds):
+        for m, pacer in modes.items():
+            eng.pacer = pacer
+            for _ in range(warm):
+                eng.step()
+            start, dry_before = time.perf_counter(), eng.dry_launches
+            waits_before = pacer.waits if pacer is not None else 0
+            for _ in range(block):
+                eng.step()
+            seconds[m] += time.perf_counter() - start
+            dry[m] += eng.dry_launches - dry_before
+            held[m] += (pacer.waits if pacer is not None else 0) - waits_before
+    ttfts: dict[str, list[float]] = {m: [] for m in modes}
     rng = random.Random(7)
     for r in range(rounds):
         for m, pacer in modes.items():
             eng.pacer = pacer
-            refill()
-            start, dry_before = time.perf_counter(), eng.dry_launches
-            waits_before = pacer.waits if pacer is not None else 0
-            for _ in range(steady):
-                eng._drain_commands()
+            for _ in range(warm):
                 eng.step()
-            rates[m].append(steady / (time.perf_counter() - start))
-            dry[m] += eng.dry_launches - dry_before
-            held[m] += (pacer.waits if pacer is not None else 0) - waits_before
             for k in range(probes):
                 arrived: list[float] = []
                 first: list[float] = []
@@ -899,11 +904,15 @@ def section_pacing(
                 timer.join()
                 ttfts[m].append(first[0] - arrived[0])
     eng.pacer = original
+    if done:
+        raise AssertionError(f"(p) background requests ended before the section did: {done[:4]}")
+    eng.run_until_idle()
 
     def p90(values: list[float]) -> float:
         return statistics.quantiles(values, n=10, method="inclusive")[8]
 
-    off_ttft, off_rate = p50(ttfts["off"]), p50(rates["off"])
+    steps = rounds * block
+    off_ttft, off_rate = p50(ttfts["off"]), steps / seconds["off"]
     for m, pacer in modes.items():
         estimate = ""
         if pacer is not None:
@@ -911,12 +920,13 @@ def section_pacing(
                 f"; its last estimates: step {min(pacer.device_times, default=0.0) * 1e3:.2f} ms, composition "
                 f"{max(pacer.compose_times, default=0.0) * 1e3:.2f} ms"
             )
+        rate = steps / seconds[m]
         report_loader(
-            f"(p) compose late {m}, while {b.running} decode: TTFT of a request arriving at a random moment p50 "
-            f"{p50(ttfts[m]) * 1e3:.2f} ms (p90 {p90(ttfts[m]) * 1e3:.2f}; {p50(ttfts[m]) / off_ttft:.3f}x off), "
-            f"decode steps/s with nothing arriving {p50(rates[m]):.1f} ({p50(rates[m]) / off_rate:.3f}x off; "
-            f"p50 of {rounds} rounds of {steady}); of those {rounds * steady} steps, {dry[m]} launched after the "
-            f"device had finished the one before, {held[m]} composed after a wait{estimate}"
+            f"(p) compose late {m}, while {b.running} decode: decode steps/s with nothing arriving {rate:.1f} "
+            f"({rate / off_rate:.3f}x off; {steps} steps in {rounds} turns, {dry[m]} launched after the device had "
+            f"finished the one before, {held[m]} composed after a wait); TTFT of a request arriving at a random "
+            f"moment p50 {p50(ttfts[m]) * 1e3:.2f} ms (p90 {p90(ttfts[m]) * 1e3:.2f}; {p50(ttfts[m]) / off_ttft:.3f}x "
+            f"off; {len(ttfts[m])} arrivals){estimate}"
         )
 
 
@@ -997,7 +1007,12 @@ def main() -> None:
         default=str(ComposePacer().slack_s * 1e3),
         help="(p): the pacer's slack (ms) of each pacer compared with none, e.g. 0.5,1.5 (default: the engine's)",
     )
-    ap.add_argument("--pacing-rounds", type=int, default=3, help="(p): rounds over the modes")
+    ap.add_argument(
+        "--pacing-rounds",
+        type=int,
+        default=4,
+        help="(p): turns of each mode, steady and arriving (tokens within max_model_len)",
+    )
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
     ap.add_argument(
         "--async-steps",
