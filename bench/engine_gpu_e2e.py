@@ -1,7 +1,8 @@
 """The whole engine on a GPU: agreement with the CPU, decode throughput (graphs vs eager), cold start,
-others' inter-token latency during loads, 500 adapters on 64 slots under Zipf traffic, and hot swap.
+others' inter-token latency during loads, 500 adapters on 64 slots under Zipf traffic, hot swap, and late
+composition (p: random arrivals' TTFT and steady steps/s with the engine's pacer on and off).
 
-  PYTHONPATH=. python3 bench/engine_gpu_e2e.py --tokenizer DIR [--layers 30] [--only abdeft]
+  PYTHONPATH=. python3 bench/engine_gpu_e2e.py --tokenizer DIR [--layers 30] [--only abdeftp]
       [--shape smollm2|llama-7b] [--running 16]
 
 No weights can be downloaded on the GPU machine, so the base model is SmolLM2-135M-shaped (or, with
