@@ -833,8 +833,11 @@ def section_hot_swap(
             report_loader(f"(f) {name} on / off, p50 apply -> first token: {p50(on) / p50(off):.3f}x")
 
 
+PROBE_STEPS = 6  # (p): steps an arrival may take to its first token (it arrives within 15 ms)
+
+
 def section_pacing(
-    b: Bench, eng: LLMEngine, prompt: list[int], slacks_ms: list[float], rounds: int = 4, probes: int = 4
+    b: Bench, eng: LLMEngine, prompt: list[int], slacks_ms: list[float], rounds: int = 4, probes: int = 3
 ) -> None:
     """(p) the engine's late composition (its pacer, one per slack of `slacks_ms`) and none, side by side on one
     engine while `b.running` base requests decode: the decode steps per second with nothing arriving (what
@@ -844,7 +847,7 @@ def section_pacing(
 
     A decode step's time grows with its requests' KV length, so the modes take turns in short blocks, the same
     requests decoding throughout: `rounds` rounds of a block of steady steps per mode, then `rounds` rounds of
-    `probes` arrivals per mode."""
+    `probes` arrivals per mode; each round starts from the next mode, so that each comes first as often."""
     if eng.pacer is None:
         report_loader("(p) skipped: the engine composes no step late (async steps off or compose_late off)")
         return
@@ -852,7 +855,9 @@ def section_pacing(
     modes.update({f"on, slack {ms:g} ms": ComposePacer(slack_s=ms / 1e3) for ms in slacks_ms})
     original = eng.pacer
     block, warm = 6, 2  # steady steps timed per turn, and steps before them (the mode's pacer measures them)
-    tokens = len(modes) * rounds * (block + warm + probes * 5) + 16
+    # Steps a request lives through: per turn, a warm-up before the steady block and another before the
+    # arrivals, and at most `PROBE_STEPS` steps an arrival (checked as it runs).
+    tokens = len(modes) * rounds * (block + 2 * warm + probes * PROBE_STEPS) + 16
     if len(prompt) + tokens > eng.max_model_len:
         raise SystemExit(f"(p) needs {len(prompt) + tokens} tokens a request; lower --pacing-rounds")
     done: list[str] = []
@@ -870,8 +875,15 @@ def section_pacing(
     seconds = dict.fromkeys(modes, 0.0)
     dry = dict.fromkeys(modes, 0)  # steady steps launched after the device had finished the one before
     held = dict.fromkeys(modes, 0)  # steady compositions the pacer held back
-    for _ in range(rounds):
-        for m, pacer in modes.items():
+    turns = list(modes.items())
+
+    def in_turn(r: int) -> list[tuple[str, ComposePacer | None]]:
+        if done:
+            raise AssertionError(f"(p) background requests ended before the section did: {done[:4]}")
+        return turns[r % len(turns) :] + turns[: r % len(turns)]
+
+    for r in range(rounds):
+        for m, pacer in in_turn(r):
             eng.pacer = pacer
             for _ in range(warm):
                 eng.step()
@@ -885,7 +897,7 @@ def section_pacing(
     ttfts: dict[str, list[float]] = {m: [] for m in modes}
     rng = random.Random(7)
     for r in range(rounds):
-        for m, pacer in modes.items():
+        for m, pacer in in_turn(r):
             eng.pacer = pacer
             for _ in range(warm):
                 eng.step()
@@ -899,14 +911,17 @@ def section_pacing(
 
                 timer = threading.Timer(rng.uniform(0.0, 0.015), send)
                 timer.start()
-                while not first:
+                for _ in range(PROBE_STEPS):
                     eng._drain_commands()
                     eng.step()
+                    if first:
+                        break
                 timer.join()
+                if not first:  # (a request that failed in the timer's thread also ends here)
+                    raise AssertionError(f"(p) an arrival had no token after {PROBE_STEPS} steps ({m})")
                 ttfts[m].append(first[0] - arrived[0])
     eng.pacer = original
-    if done:
-        raise AssertionError(f"(p) background requests ended before the section did: {done[:4]}")
+    in_turn(0)
     eng.run_until_idle()
 
     def p90(values: list[float]) -> float:
@@ -1000,8 +1015,8 @@ def main() -> None:
     ap.add_argument(
         "--compose-late",
         default="on",
-        help="(f) and (p): the engine's late composition (its pacer), e.g. on,off: (f)'s swaps alternate between "
-        "them, --swaps of each",
+        help="(f): the engine's late composition (its pacer), e.g. on,off: the swaps alternate between them, "
+        "--swaps of each ((p) compares pacers of --pacer-slack-ms with none)",
     )
     ap.add_argument(
         "--pacer-slack-ms",

@@ -420,6 +420,7 @@ class LLMEngine:
             self._complete(previous)
             previous = None
             running = [s for s in running if s.status is SeqStatus.RUNNING]
+            composing = time.perf_counter()  # the wait for the device is no part of the composition
         if not running:
             if previous is not None:
                 self._complete(previous)

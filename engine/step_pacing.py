@@ -13,7 +13,8 @@ for them), less the longest of the last compositions and a slack. A composition 
 to the launch of its step, so a wake-up that came late (the GIL held by another thread, say) counts in it and
 moves the next deadlines earlier. Composing early costs nothing but the wait's purpose; composing late leaves
 the GPU idle. A step that ends before the wait does (polled every `poll_s`) is composed at once, and the GPU
-then idles for one composition.
+then idles for one composition; the time it took, at most, joins the estimates, so they follow steps that got
+shorter.
 """
 
 from __future__ import annotations
@@ -91,7 +92,11 @@ class ComposePacer:
                 self.woken += 1
                 return self.clock()
             if flight.done():
-                return self.clock()
+                # Ended before the estimate: its time, at most this, joins the estimates. Steps launched after
+                # it ran dry are not timed (`ran`), so steps that got shorter would otherwise never be seen.
+                now = self.clock()
+                self._device_s.append(now - since)
+                return now
             now = self.clock()
             if now >= deadline:
                 return deadline

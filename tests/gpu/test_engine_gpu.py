@@ -23,6 +23,7 @@ from engine.logprobs import StepLogprobs
 from engine.sampling import SamplingParams, make_generator, sample_tokens
 from engine.sequence import RequestOutput
 from engine.step_forward import InFlight
+from engine.step_pacing import ComposePacer
 from tests.support.random_model import write_random_llama
 from tests.unit.engine.test_engine_logprobs import check_logprobs, run_recorded
 from tests.unit.engine.test_engine_prompt_logprobs import check_prompt_logprobs, first_with_prompt_logprobs
@@ -367,9 +368,10 @@ def test_the_pacer_gets_each_steps_device_time(engines: tuple[LLMEngine, LLMEngi
     """Late composition on a GPU (`compose_late` auto, async steps): the tokens of the eager engine, and device
     times for the pacer's estimates, each shorter than the whole run and than the steps' share of it."""
     eager, graphed = engines
-    pacer = graphed.pacer
-    assert pacer is not None  # async steps by default where decode steps replay graphs
-    was, graphed.async_steps = graphed.async_steps, True
+    assert graphed.pacer is not None  # async steps by default where decode steps replay graphs
+    pacer = ComposePacer()  # its own, so earlier tests' steps are not among its estimates
+    was = graphed.async_steps, graphed.pacer
+    graphed.async_steps, graphed.pacer = True, pacer
     try:
         requests = list(zip(_prompts(eager, 4), [None, "r16", None, "r8-qv"], strict=True))
         steps, start = graphed.steps, time.perf_counter()
@@ -380,7 +382,7 @@ def test_the_pacer_gets_each_steps_device_time(engines: tuple[LLMEngine, LLMEngi
         assert times and all(0.0 < t < wall for t in times)
         assert min(times) <= wall / steps  # a decode step's device time is within its share of the wall time
     finally:
-        graphed.async_steps = was
+        graphed.async_steps, graphed.pacer = was
 
 
 def test_lora_inside_the_gemms_matches_the_separate_kernels(

@@ -193,3 +193,46 @@ def test_only_a_step_queued_before_the_device_ran_dry_is_timed(
     monkeypatch.setattr(InFlight, "launch", recorded)
     engine.step()
     assert launches == [None if ended else event]
+
+
+def test_a_launch_after_the_step_before_ended_is_dry_and_starts_at_once(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outputs: list[RequestOutput] = []
+    started_step(engine, outputs, step_seconds=0.0)
+    engine.step()  # decoding
+    monkeypatch.setattr(InFlight, "done", lambda self: True)  # the device had finished it when this step launched
+    read_at: list[float] = []
+    read = InFlight.read
+
+    def timed_read(flight: InFlight) -> list[int]:
+        read_at.append(time.perf_counter())
+        return read(flight)
+
+    monkeypatch.setattr(InFlight, "read", timed_read)
+    dry = engine.dry_launches
+    engine.step()
+    assert engine.dry_launches == dry + 1
+    assert engine._inflight_since < read_at[0]  # from its launch, not from the read that did not wait
+
+
+def test_a_composition_that_read_the_step_before_first_is_timed_from_that_read(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step whose rows need the tokens in flight reads them before composing (a constrained request): the
+    wait for the device is no part of the composition the pacer estimates from."""
+    outputs: list[RequestOutput] = []
+    started_step(engine, outputs, step_seconds=0.0)
+    engine.step()
+    monkeypatch.setattr(InFlight, "rows", property(lambda self: {}))  # no row's token in flight: read first
+    read = InFlight.read
+
+    def slow_read(flight: InFlight) -> list[int]:
+        time.sleep(0.05)  # the device still running it
+        return read(flight)
+
+    monkeypatch.setattr(InFlight, "read", slow_read)
+    pacer = ComposePacer()
+    engine.pacer = pacer
+    engine.step()
+    assert len(pacer.compose_times) == 1 and pacer.compose_times[0] < 0.04

@@ -158,3 +158,12 @@ def test_a_late_wake_up_returns_when_the_composition_was_due() -> None:
     assert clock.now == pytest.approx(100.013)  # though the thread woke 4 ms later
     pacer.composed(clock.now + 0.001 - 100.009)  # so the composition counts the late wake-up
     assert pacer.deadline(200.0) == pytest.approx(200.005)
+
+
+def test_steps_that_got_shorter_move_the_estimate() -> None:
+    """Steps launched after the device ran dry are not timed; a step seen done before the deadline is, at most."""
+    clock = Clock()
+    pacer = measured(clock, [0.010] * 16, [0.001], slack_s=0.0, poll_s=0.001)
+    assert pacer.wait(Flight(clock, ends_at=100.005), 100.0, Wake(clock), nothing_arrived) == pytest.approx(100.005)
+    assert min(pacer.device_times) == pytest.approx(0.005)
+    assert pacer.deadline(200.0) == pytest.approx(200.004)
