@@ -877,9 +877,13 @@ def section_pacing(
     held = dict.fromkeys(modes, 0)  # steady compositions the pacer held back
     turns = list(modes.items())
 
-    def in_turn(r: int) -> list[tuple[str, ComposePacer | None]]:
+    def all_decoding() -> None:
         if done:
             raise AssertionError(f"(p) background requests ended before the section did: {done[:4]}")
+
+    def in_turn(r: int) -> list[tuple[str, ComposePacer | None]]:
+        """The modes in round `r`'s order (checked first: every background request still decodes)."""
+        all_decoding()
         return turns[r % len(turns) :] + turns[: r % len(turns)]
 
     for r in range(rounds):
@@ -921,7 +925,7 @@ def section_pacing(
                     raise AssertionError(f"(p) an arrival had no token after {PROBE_STEPS} steps ({m})")
                 ttfts[m].append(first[0] - arrived[0])
     eng.pacer = original
-    in_turn(0)
+    all_decoding()
     eng.run_until_idle()
 
     def p90(values: list[float]) -> float:
