@@ -935,11 +935,9 @@ def section_pacing(
     off_ttft, off_rate = p50(ttfts["off"]), steps / seconds["off"]
     for m, pacer in modes.items():
         estimate = ""
-        if pacer is not None:
-            estimate = (
-                f"; its last estimates: step {min(pacer.device_times, default=0.0) * 1e3:.2f} ms, composition "
-                f"{max(pacer.compose_times, default=0.0) * 1e3:.2f} ms"
-            )
+        if pacer is not None and (estimates := pacer.estimates()) is not None:
+            step, composition = estimates
+            estimate = f"; its last estimates: step {step * 1e3:.2f} ms, composition {composition * 1e3:.2f} ms"
         rate = steps / seconds[m]
         report_loader(
             f"(p) compose late {m}, while {b.running} decode: decode steps/s with nothing arriving {rate:.1f} "

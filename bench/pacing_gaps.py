@@ -116,10 +116,10 @@ def main() -> None:
             eng.pacer = pacer if late else None
             label = f"turn {turn}, pacer {'on, slack ' + format(args.slack_ms, 'g') + ' ms' if late else 'off'}"
             print(profiled_turn(eng, args.steps, folder, label), flush=True)
-            if late:
+            if late and (estimates := pacer.estimates()) is not None:
                 print(
-                    f"  pacer estimates: step {min(pacer.device_times, default=0.0) * 1e3:.2f} ms, composition "
-                    f"{max(pacer.compose_times, default=0.0) * 1e3:.2f} ms; held back {pacer.waits} in all",
+                    f"  pacer estimates: step {estimates[0] * 1e3:.2f} ms, composition {estimates[1] * 1e3:.2f} ms; "
+                    f"held back {pacer.waits} in all",
                     flush=True,
                 )
     eng.stop()

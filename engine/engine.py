@@ -404,7 +404,7 @@ class LLMEngine:
             # from when the composition was due, so a late wake-up (the GIL held elsewhere) counts in it.
             composing = pacer.wait(previous, self._inflight_since, self._wakeup, lambda: not self._commands.empty())
             self._drain_commands()
-        started = step_start_event(self.device) if pacer is not None else None
+        started = step_start_event(self.device) if pacer is not None and previous is not None else None
         trace = StepTrace(self.device, self.pool.slot_misses) if self.step_trace is not None else None
         prefills = self.scheduler.schedule()
         ending = previous.rows if previous is not None else {}

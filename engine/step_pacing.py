@@ -68,12 +68,21 @@ class ComposePacer:
         self.waits = 0  # compositions held back (tests, benchmarks)
         self.woken = 0  # of which ended by an arrival
 
+    def estimates(self) -> tuple[float, float] | None:
+        """The step's and the composition's time the deadlines use, in seconds: the shortest recent step's and
+        the longest recent composition's; None until a step and a composition were measured."""
+        if not self._device_s or not self._compose_s:
+            return None
+        return min(self._device_s), max(self._compose_s)
+
     def deadline(self, since: float) -> float | None:
         """When to compose the next step, for a step in flight that started on the device at `since` (the
         clock's time); None until a step and a composition were measured."""
-        if not self._device_s or not self._compose_s:
+        estimates = self.estimates()
+        if estimates is None:
             return None
-        return since + min(self._device_s) - max(self._compose_s) - self.slack_s
+        step, composition = estimates
+        return since + step - composition - self.slack_s
 
     def wait(self, flight: StepInFlight, since: float, wake: Wakeup, arrived: Callable[[], bool]) -> float:
         """Block until the next step should be composed: `flight` is near its end or done, or something

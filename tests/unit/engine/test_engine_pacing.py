@@ -22,6 +22,7 @@ from engine.step_forward import InFlight
 from engine.step_pacing import ComposePacer
 from tests.support.random_model import write_tiny_llama
 from tests.unit.engine.test_engine_logprobs import tiny_engine
+from tests.unit.engine.test_step_pacing import Clock, Flight
 
 PROMPT = [5, 17, 33, 2, 90, 41, 7]
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -30,17 +31,6 @@ PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("pacing-model"))
-
-
-class Timed:
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    def done(self) -> bool:
-        return True
-
-    def device_seconds(self) -> float:
-        return self.seconds
 
 
 @pytest.fixture
@@ -53,7 +43,7 @@ def engine(model: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LLMEngine]:
 
 def pace(eng: LLMEngine, step_seconds: float) -> ComposePacer:
     pacer = ComposePacer(slack_s=0.0)
-    pacer.ran(Timed(step_seconds))
+    pacer.ran(Flight(Clock(), seconds=step_seconds))
     pacer.composed(0.0)
     eng.pacer = pacer
     return pacer
