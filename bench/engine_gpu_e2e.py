@@ -325,10 +325,12 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], col
     meanwhile). Cold adapters are registered as their requests arrive, once on the stepping thread itself and
     once on another thread, as the server's gRPC handlers do: the first puts the registration's header check
     (milliseconds of Python) into a gap of every running request, which a server's step loop never runs. Then
+    loads alone: 12 adapters registered on another thread (as `adapterctl apply` does) and loading while no
+    request for them joins, the goal's "during loads" without a joiner's prefill in the step. Then
     again with the running requests on adapters, as a LoRA gateway's are: requests on those adapters join,
     and cold ones, the latter with and without slot fills ahead (`EngineConfig.adapter_fills_ahead`).
     `cold_joins` False (section j): the warm joins alone."""
-    paths = b.adapters(eng, "x", 60)
+    paths = b.adapters(eng, "x", 72)
     for i in range(12):
         eng.load_adapter(f"xw{i}", str(paths[i]), wait=True)
         ttft(eng, f"xwarm{i}", prompt, f"xw{i}")
@@ -336,7 +338,8 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], col
     def gaps(arrivals: str, tag: str, first_path: int = 12, running_on: list[str] | None = None) -> list[float]:
         """Others' gaps: `b.running` requests (base, or round-robin on the adapters `running_on`) while 12 requests
         join one every 4 steps (`arrivals`: none, warm, cold, cold-elsewhere, or running: on the running
-        requests' own adapters)."""
+        requests' own adapters), or, for `arrivals` loads, 12 adapters registered one every 4 steps on another
+        thread with no request for them."""
         last: dict[str, float] = {}
         out: list[float] = []
         ended_in: list[int] = []  # the loop iteration in which each gap ended (--trace)
@@ -363,6 +366,7 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], col
         gc_start = [0.0]
         waited: dict[str, int] = {}  # joiners' iterations spent waiting (--trace)
         joins: list[Future[None]] = []
+        loads: list[Future[tuple[float, AdapterVersion]]] = []
 
         def on_gc(phase: str, info: dict[str, int]) -> None:
             if phase == "start":
@@ -385,7 +389,9 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], col
                 j = k // 4
                 name = {"warm": f"xw{j}", "running": f"xw{j % 4}"}.get(arrivals, f"xc{tag}{j}")
                 params = SamplingParams(max_tokens=4, ignore_eos=True)
-                if arrivals == "cold-elsewhere":  # register, then request, on an admin thread
+                if arrivals == "loads":  # register on an admin thread; no request joins
+                    loads.append(admin.submit(register_only, name, str(paths[first_path + j])))
+                elif arrivals == "cold-elsewhere":  # register, then request, on an admin thread
                     sink_to = joiner_sink(time.perf_counter())  # its TTFT includes the registration
                     joins.append(
                         admin.submit(join_cold, name, str(paths[first_path + j]), f"xq{tag}{k}", params, sink_to)
@@ -410,6 +416,12 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], col
                 break
         for join in joins:  # (raises what a registration raised)
             join.result()
+        for load in loads:
+            registered_at, version = load.result()
+            eng.pool.wait_loaded(version, timeout=60)
+            if version.settled_at is None:
+                raise AssertionError(f"(d) {version.name} loaded with no time of its end")
+            load_s.append(version.settled_at - registered_at)
         eng.run_until_idle()
         if eng.scheduler.waiting:  # a request the loop never started (the next phase would run it, unmeasured)
             raise AssertionError(f"(d) phase {tag} ended with {len(eng.scheduler.waiting)} requests never started")
@@ -430,6 +442,11 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], col
     register_s: list[float] = []
     joiner_ttft: defaultdict[str, list[float]] = defaultdict(list)  # joining requests' own TTFT, by gaps' tag
     admin = ThreadPoolExecutor(max_workers=1, thread_name_prefix="admin")
+
+    load_s: list[float] = []  # loads alone: registration -> load ended
+
+    def register_only(name: str, path: str) -> tuple[float, AdapterVersion]:
+        return time.monotonic(), eng.load_adapter(name, path, wait=False)
 
     def join_cold(
         name: str, path: str, rid: str, params: SamplingParams, sink: Callable[[RequestOutput], None]
@@ -484,6 +501,12 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], col
         f"(d) same cold joins registered on another thread (as by the server's gRPC handlers): p99 "
         f"{p99(elsewhere) * 1e3:.2f} ms ({p99(elsewhere) / p99(steady):.2f}x steady, "
         f"{p99(elsewhere) / p99(warm):.2f}x the warm joins)"
+    )
+    loads_alone = gaps("loads", "l", first_path=60)
+    report_loader(
+        f"(d) while 12 adapters load from disk with no request for them (registered on another thread): others' "
+        f"p99 {p99(loads_alone) * 1e3:.2f} ms ({p99(loads_alone) / p99(steady):.2f}x steady); registration -> load "
+        f"ended p50 {p50(load_s) * 1e3:.1f} ms (slowest {max(load_s) * 1e3:.1f})"
     )
     # The same, with the running requests on adapters: the steady step then runs the LoRA kernels already,
     # and a join adds only its own rows and its adapter's load.

@@ -68,6 +68,7 @@ class AdapterVersion:
     requests_served: int = 0
     tokens_generated: int = 0
     settled: threading.Event = field(default_factory=threading.Event)  # set when a load ends (any outcome)
+    settled_at: float | None = None  # time.monotonic() when its last load ended (any outcome)
 
     @property
     def key(self) -> str:
@@ -431,6 +432,7 @@ class AdapterPool:
                 else:
                     self._trim_host(keep=version)
         finally:
+            version.settled_at = time.monotonic()
             version.settled.set()
             # Whatever the outcome: the engine wakes to start the requests waiting for the load, or to end
             # them with its error (`LLMEngine._reap`).

@@ -53,6 +53,23 @@ def test_register_loads_in_background_then_acquires_a_slot(pool: AdapterPool, tm
     assert version.active == 2
 
 
+def test_a_version_notes_when_its_load_ended(tmp_path: Path) -> None:
+    """Its load's duration (what a bench reports for loads alone) is measured from the pool's own clock."""
+    stacks = LoRAStacks(TINY, slots=1, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    loader = ManualLoader(torch.float32, stacks.layout)
+    pool = AdapterPool(TINY, stacks, torch.float32, 8, loader=loader)
+    try:
+        registered = time.monotonic()
+        version = pool.register("a", write_adapter(tmp_path / "a"))
+        assert version.settled_at is None  # still queued
+        time.sleep(0.01)
+        loader.finish_all(random.Random(0))
+        pool.wait_loaded(version, timeout=10)
+        assert version.settled_at is not None and version.settled_at - registered >= 0.01
+    finally:
+        pool.close()
+
+
 def test_only_idle_adapters_are_evicted(pool: AdapterPool, tmp_path: Path) -> None:
     a, b, c = (_loaded(pool, n, write_adapter(tmp_path / n, seed=i)) for i, n in enumerate("abc"))
     for v in (a, b):
