@@ -540,6 +540,105 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], col
     )
 
 
+SERVED_PHASES = ("steady", "warm joins", "loads alone", "cold joins")
+
+
+def section_served_loads(b: Bench, eng: LLMEngine, prompt: list[int], rounds: int = 3) -> None:
+    """(s) (d) under the engine's own step loop, as a server runs it: the engine thread steps (with async steps,
+    composing each step while the one before runs on the GPU), and everything arrives from this thread, as
+    from a server's handlers. `b.running` base requests of 80 tokens decode in each phase; 12 arrivals come one
+    every 4 steady steps' time: none (steady), requests on warm adapters (warm joins), adapters registered
+    with no request for them (loads alone), or adapters registered and a request for each (cold joins, loading
+    from disk). Each phase starts its running requests afresh, so all meet the same KV lengths, and the phases
+    take turns over `rounds` rounds, each round starting from the next phase. Others' gaps are pooled per phase.
+
+    Starts the engine's step loop: the engine can only be stopped after this section."""
+    eng.start()
+    warm_names = [f"sw{i}" for i in range(12)]
+    paths = b.adapters(eng, "s", 12 + 24 * rounds)
+    for name, path in zip(warm_names, paths, strict=False):
+        eng.load_adapter(name, str(path), wait=True)
+    fresh = iter(paths[12:])  # (each adapter loads from disk once)
+    gaps: dict[str, list[float]] = {phase: [] for phase in SERVED_PHASES}
+    joiner_ttft: dict[str, list[float]] = {phase: [] for phase in SERVED_PHASES}
+    load_s: list[float] = []
+    per_round: list[dict[str, float]] = []
+
+    def phase_run(phase: str, tag: str, interval: float) -> list[float]:
+        out: list[float] = []
+        last: dict[str, float] = {}
+        ended = threading.Semaphore(0)
+
+        def gap_sink(rid: str) -> Callable[[RequestOutput], None]:
+            def record(o: RequestOutput) -> None:
+                now = time.perf_counter()
+                if o.token_ids and rid in last:
+                    out.append(now - last[rid])
+                last[rid] = now
+                if o.finish_reason:
+                    ended.release()
+
+            return record
+
+        def joiner_sink(sent: float) -> Callable[[RequestOutput], None]:
+            def record(o: RequestOutput) -> None:
+                if o.token_ids and o.completion_tokens == 1:
+                    joiner_ttft[phase].append(time.perf_counter() - sent)
+                if o.finish_reason:
+                    ended.release()
+
+            return record
+
+        if phase == "warm joins":
+            back_in_host_ram(eng, warm_names)
+        for i in range(b.running):
+            rid = f"sbg{tag}{i}"
+            eng.add_request(rid, prompt, SamplingParams(max_tokens=80, ignore_eos=True), None, gap_sink(rid))
+        joiners, registered = 0, []
+        start = time.perf_counter() + 2 * interval  # past the running requests' prefills
+        for j in range(12 if phase != "steady" else 0):
+            time.sleep(max(0.0, start + j * interval - time.perf_counter()))
+            sent = time.perf_counter()
+            params = SamplingParams(max_tokens=4, ignore_eos=True)
+            if phase == "warm joins":
+                eng.add_request(f"sq{tag}{j}", prompt, params, warm_names[j], joiner_sink(sent))
+                joiners += 1
+                continue
+            name = f"s{tag}{j}"
+            registered.append((time.monotonic(), eng.load_adapter(name, str(next(fresh)), wait=False)))
+            if phase == "cold joins":
+                eng.add_request(f"sq{tag}{j}", prompt, params, name, joiner_sink(sent))
+                joiners += 1
+        for _ in range(b.running + joiners):
+            if not ended.acquire(timeout=60):
+                raise AssertionError(f"(s) {phase}: a request did not end within 60 s")
+        for at, version in registered:
+            eng.pool.wait_loaded(version, timeout=60)
+            assert version.settled_at is not None
+            if phase == "loads alone":
+                load_s.append(version.settled_at - at)
+            eng.unload_adapter(version.name)  # (its host copy makes room for the next phases' loads)
+        return out
+
+    interval = 4 * p50(phase_run("steady", "w", 0.0))  # a warm-up, and the arrivals' spacing: 4 steady steps
+    for r in range(rounds):
+        order = SERVED_PHASES[r % len(SERVED_PHASES) :] + SERVED_PHASES[: r % len(SERVED_PHASES)]
+        this_round = {phase: phase_run(phase, f"{r}{k}", interval) for k, phase in enumerate(order)}
+        for phase, out in this_round.items():
+            gaps[phase] += out
+        per_round.append({phase: p99(out) for phase, out in this_round.items()})
+    steady = p99(gaps["steady"])
+    for phase in SERVED_PHASES[1:]:
+        rounds_x = ", ".join(f"{row[phase] / row['steady']:.2f}x" for row in per_round)
+        own = f"; their TTFT p50 {p50(joiner_ttft[phase]) * 1e3:.2f} ms" if joiner_ttft[phase] else ""
+        loads = f"; registration -> load ended p50 {p50(load_s) * 1e3:.1f} ms" if phase == "loads alone" else ""
+        report_loader(
+            f"(s) the engine's own step loop, {b.running} base requests decoding, others' inter-token p99 while "
+            f"12 {phase} arrive: {p99(gaps[phase]) * 1e3:.2f} ms against steady {steady * 1e3:.2f} ms "
+            f"({p99(gaps[phase]) / steady:.2f}x; by round {rounds_x}){own}{loads}"
+        )
+
+
 def back_in_host_ram(eng: LLMEngine, names: list[str]) -> None:
     """Load the adapters `names` back into host RAM where the host tier dropped them, and wait: the phases of
     (d) that count them as warm. At Llama-7B dims the 1 GiB arena holds about 26 images, and the cold phases
@@ -980,7 +1079,8 @@ def main() -> None:
     ap.add_argument(
         "--only",
         default="abdef",
-        help="sections: a(gree) b d e f p(acing); t: (d)'s cold-start TTFT alone; j: (d)'s warm joins alone",
+        help="sections: a(gree) b d e f p(acing) s(erved: (d) under the engine's own loop); t: (d)'s cold-start "
+        "TTFT alone; j: (d)'s warm joins alone",
     )
     ap.add_argument("--zipf-requests", type=int, default=1500)
     ap.add_argument("--zipf-rate", type=float, default=150.0)
@@ -1117,7 +1217,7 @@ def main() -> None:
         for row_tile in args.lora_gemm_row_tile.split(",")
         for gemm in args.lora_gemm_loads.split(",")
     ]
-    if not {"d", "f", "t", "j", "p"}.intersection(args.only):
+    if not {"d", "f", "t", "j", "p", "s"}.intersection(args.only):
         configs = []
     default_chunk = adapter_device_loader.CHUNK_BYTES
     for loader_chunk, switch_ms, pinned_mb, workers, fold, row_tile, gemm in configs:
@@ -1169,6 +1269,8 @@ def main() -> None:
                 tuple(m == "on" for m in args.load_ahead.split(",")),
                 tuple(m == "on" for m in args.compose_late.split(",")),
             )
+        if "s" in args.only:  # (starts the engine's step loop: last)
+            section_served_loads(b, eng, prompt)
         eng.stop()
         del eng
         free_gpu_memory()
