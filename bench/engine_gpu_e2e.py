@@ -568,6 +568,7 @@ def section_served_loads(b: Bench, eng: LLMEngine, prompt: list[int], rounds: in
         out: list[float] = []
         last: dict[str, float] = {}
         ended = threading.Semaphore(0)
+        reasons: list[str] = []  # every request's finish reason (80 or 4 tokens: "length")
 
         def gap_sink(rid: str) -> Callable[[RequestOutput], None]:
             def record(o: RequestOutput) -> None:
@@ -576,6 +577,7 @@ def section_served_loads(b: Bench, eng: LLMEngine, prompt: list[int], rounds: in
                     out.append(now - last[rid])
                 last[rid] = now
                 if o.finish_reason:
+                    reasons.append(o.finish_reason)
                     ended.release()
 
             return record
@@ -585,6 +587,7 @@ def section_served_loads(b: Bench, eng: LLMEngine, prompt: list[int], rounds: in
                 if o.token_ids and o.completion_tokens == 1:
                     joiner_ttft[phase].append(time.perf_counter() - sent)
                 if o.finish_reason:
+                    reasons.append(o.finish_reason)
                     ended.release()
 
             return record
@@ -612,6 +615,8 @@ def section_served_loads(b: Bench, eng: LLMEngine, prompt: list[int], rounds: in
         for _ in range(b.running + joiners):
             if not ended.acquire(timeout=60):
                 raise AssertionError(f"(s) {phase}: a request did not end within 60 s")
+        if set(reasons) != {"length"}:
+            raise AssertionError(f"(s) {phase}: requests ended {sorted(set(reasons))}, not all by length")
         for at, version in registered:
             eng.pool.wait_loaded(version, timeout=60)
             assert version.settled_at is not None
