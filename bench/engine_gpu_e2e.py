@@ -541,9 +541,12 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], col
 
 
 SERVED_PHASES = ("steady", "warm joins", "loads alone", "cold joins")
+SERVED_DIAGNOSTICS = False  # --served-diagnostics: (s) prints each phase's counters, slowest gaps and arrivals
 
 
-def section_served_loads(b: Bench, eng: LLMEngine, prompt: list[int], rounds: int = 3) -> None:
+def section_served_loads(
+    b: Bench, eng: LLMEngine, prompt: list[int], rounds: int = 3, pacer_modes: tuple[bool, ...] = (True,)
+) -> None:
     """(s) (d) under the engine's own step loop, as a server runs it: the engine thread steps (with async steps,
     composing each step while the one before runs on the GPU), and everything arrives from this thread, as
     from a server's handlers. `b.running` base requests of 80 tokens decode in each phase; 12 arrivals come one
@@ -551,16 +554,20 @@ def section_served_loads(b: Bench, eng: LLMEngine, prompt: list[int], rounds: in
     with no request for them (loads alone), or adapters registered and a request for each (cold joins, loading
     from disk). Each phase starts its running requests afresh, so all meet the same KV lengths, and the phases
     take turns over `rounds` rounds, each round starting from the next phase. Others' gaps are pooled per phase.
+    `pacer_modes`: all of it with the engine's late composition on (True) and off (False), in turn, where the
+    engine has it (async steps).
 
     Starts the engine's step loop: the engine can only be stopped after this section."""
     eng.start()
     warm_names = [f"sw{i}" for i in range(12)]
-    paths = b.adapters(eng, "s", 12 + 24 * rounds)
+    modes = pacer_modes if eng.pacer is not None else (False,)
+    paths = b.adapters(eng, "s", 12 + 24 * rounds * len(modes))
     for name, path in zip(warm_names, paths, strict=False):
         eng.load_adapter(name, str(path), wait=True)
     fresh = iter(paths[12:])  # (each adapter loads from disk once)
-    gaps: dict[str, list[float]] = {phase: [] for phase in SERVED_PHASES}
-    joiner_ttft: dict[str, list[float]] = {phase: [] for phase in SERVED_PHASES}
+    original = eng.pacer
+    gaps: dict[str, list[float]] = {}
+    joiner_ttft: dict[str, list[float]] = {}
     load_s: list[float] = []
     per_round: list[dict[str, float]] = []
 
@@ -575,6 +582,7 @@ def section_served_loads(b: Bench, eng: LLMEngine, prompt: list[int], rounds: in
                 now = time.perf_counter()
                 if o.token_ids and rid in last:
                     out.append(now - last[rid])
+                    gap_at.append(now - began)
                 last[rid] = now
                 if o.finish_reason:
                     reasons.append(o.finish_reason)
@@ -586,6 +594,7 @@ def section_served_loads(b: Bench, eng: LLMEngine, prompt: list[int], rounds: in
             def record(o: RequestOutput) -> None:
                 if o.token_ids and o.completion_tokens == 1:
                     joiner_ttft[phase].append(time.perf_counter() - sent)
+                    firsts.append((time.perf_counter() - began, eng.steps))
                 if o.finish_reason:
                     reasons.append(o.finish_reason)
                     ended.release()
@@ -594,10 +603,15 @@ def section_served_loads(b: Bench, eng: LLMEngine, prompt: list[int], rounds: in
 
         if phase == "warm joins":
             back_in_host_ram(eng, warm_names)
+        before = counters()
+        began = time.perf_counter()
+        gap_at: list[float] = []  # when each gap in `out` ended, from `began`
+        arrivals: list[tuple[float, float, int]] = []  # per arrival: sent, add returned (from `began`), step then
         for i in range(b.running):
             rid = f"sbg{tag}{i}"
             eng.add_request(rid, prompt, SamplingParams(max_tokens=80, ignore_eos=True), None, gap_sink(rid))
         joiners, registered = 0, []
+        firsts: list[tuple[float, int]] = []  # joiners' first tokens: when (from `began`), the engine's step count
         start = time.perf_counter() + 2 * interval  # past the running requests' prefills
         for j in range(12 if phase != "steady" else 0):
             time.sleep(max(0.0, start + j * interval - time.perf_counter()))
@@ -606,12 +620,13 @@ def section_served_loads(b: Bench, eng: LLMEngine, prompt: list[int], rounds: in
             if phase == "warm joins":
                 eng.add_request(f"sq{tag}{j}", prompt, params, warm_names[j], joiner_sink(sent))
                 joiners += 1
-                continue
-            name = f"s{tag}{j}"
-            registered.append((time.monotonic(), eng.load_adapter(name, str(next(fresh)), wait=False)))
-            if phase == "cold joins":
-                eng.add_request(f"sq{tag}{j}", prompt, params, name, joiner_sink(sent))
-                joiners += 1
+            else:
+                name = f"s{tag}{j}"
+                registered.append((time.monotonic(), eng.load_adapter(name, str(next(fresh)), wait=False)))
+                if phase == "cold joins":
+                    eng.add_request(f"sq{tag}{j}", prompt, params, name, joiner_sink(sent))
+                    joiners += 1
+            arrivals.append((sent - began, time.perf_counter() - began, eng.steps))
         for _ in range(b.running + joiners):
             if not ended.acquire(timeout=60):
                 raise AssertionError(f"(s) {phase}: a request did not end within 60 s")
@@ -623,25 +638,61 @@ def section_served_loads(b: Bench, eng: LLMEngine, prompt: list[int], rounds: in
             if phase == "loads alone":
                 load_s.append(version.settled_at - at)
             eng.unload_adapter(version.name)  # (its host copy makes room for the next phases' loads)
+        if SERVED_DIAGNOSTICS:
+            after = counters()
+            moved = " ".join(f"{k} {after[k] - before[k]}" for k in after)
+            slowest = sorted(range(len(out)), key=lambda i: -out[i])[:64:8]
+            print(
+                f"  [(s) {phase} {tag}] {time.perf_counter() - began:.3f} s: {moved}; slowest gaps (ms @ ms): "
+                + " ".join(f"{out[i] * 1e3:.1f}@{gap_at[i] * 1e3:.0f}" for i in slowest)
+                + "; arrivals (sent, added ms, step): "
+                + " ".join(f"{a * 1e3:.0f},{b * 1e3:.0f},{k}" for a, b, k in arrivals)
+                + "; first tokens (ms, step): "
+                + " ".join(f"{t * 1e3:.0f},{k}" for t, k in sorted(firsts))
+            )
         return out
 
-    interval = 4 * p50(phase_run("steady", "w", 0.0))  # a warm-up, and the arrivals' spacing: 4 steady steps
-    for r in range(rounds):
-        order = SERVED_PHASES[r % len(SERVED_PHASES) :] + SERVED_PHASES[: r % len(SERVED_PHASES)]
-        this_round = {phase: phase_run(phase, f"{r}{k}", interval) for k, phase in enumerate(order)}
-        for phase, out in this_round.items():
-            gaps[phase] += out
-        per_round.append({phase: p99(out) for phase, out in this_round.items()})
-    steady = p99(gaps["steady"])
-    for phase in SERVED_PHASES[1:]:
-        rounds_x = ", ".join(f"{row[phase] / row['steady']:.2f}x" for row in per_round)
-        own = f"; their TTFT p50 {p50(joiner_ttft[phase]) * 1e3:.2f} ms" if joiner_ttft[phase] else ""
-        loads = f"; registration -> load ended p50 {p50(load_s) * 1e3:.1f} ms" if phase == "loads alone" else ""
-        report_loader(
-            f"(s) the engine's own step loop, {b.running} base requests decoding, others' inter-token p99 while "
-            f"12 {phase} arrive: {p99(gaps[phase]) * 1e3:.2f} ms against steady {steady * 1e3:.2f} ms "
-            f"({p99(gaps[phase]) / steady:.2f}x; by round {rounds_x}){own}{loads}"
-        )
+    def counters() -> dict[str, int]:
+        graphs, prefill_graphs = eng.forward.graphs, eng.forward.prefill_graphs
+        return {
+            "steps": eng.steps,
+            "dry": eng.dry_launches,
+            "decode graphs": graphs.replays if graphs is not None else 0,
+            "prefill graphs": prefill_graphs.replays if prefill_graphs is not None else 0,
+            "eager": eng.forward.eager_runs,
+            "folded": eng.forward.folded_prompts,
+            "slot misses": eng.pool.slot_misses,
+            "fills ahead": eng.pool.fills_ahead,
+        }
+
+    for paced in modes:
+        eng.pacer = original if paced else None  # (read by the engine thread once per step)
+        gaps.clear()
+        gaps.update({phase: [] for phase in SERVED_PHASES})
+        joiner_ttft.clear()
+        joiner_ttft.update({phase: [] for phase in SERVED_PHASES})
+        load_s.clear()
+        per_round.clear()
+        # a warm-up, and the arrivals' spacing: 4 steady steps
+        interval = 4 * p50(phase_run("steady", f"w{paced:d}", 0.0))
+        for r in range(rounds):
+            order = SERVED_PHASES[r % len(SERVED_PHASES) :] + SERVED_PHASES[: r % len(SERVED_PHASES)]
+            this_round = {phase: phase_run(phase, f"{paced:d}{r}{k}", interval) for k, phase in enumerate(order)}
+            for phase, out in this_round.items():
+                gaps[phase] += out
+            per_round.append({phase: p99(out) for phase, out in this_round.items()})
+        steady = p99(gaps["steady"])
+        pacing = "" if original is None else f", compose late {'on' if paced else 'off'}"
+        for phase in SERVED_PHASES[1:]:
+            rounds_x = ", ".join(f"{row[phase] / row['steady']:.2f}x" for row in per_round)
+            own = f"; their TTFT p50 {p50(joiner_ttft[phase]) * 1e3:.2f} ms" if joiner_ttft[phase] else ""
+            loads = f"; registration -> load ended p50 {p50(load_s) * 1e3:.1f} ms" if phase == "loads alone" else ""
+            report_loader(
+                f"(s) the engine's own step loop{pacing}, {b.running} base requests decoding, others' inter-token "
+                f"p99 while 12 {phase} arrive: {p99(gaps[phase]) * 1e3:.2f} ms against steady {steady * 1e3:.2f} "
+                f"ms ({p99(gaps[phase]) / steady:.2f}x; by round {rounds_x}){own}{loads}"
+            )
+    eng.pacer = original
 
 
 def back_in_host_ram(eng: LLMEngine, names: list[str]) -> None:
@@ -1146,7 +1197,7 @@ def main() -> None:
         "--compose-late",
         default="on",
         help="(f): the engine's late composition (its pacer), e.g. on,off: the swaps alternate between them, "
-        "--swaps of each ((p) compares pacers of --pacer-slack-ms with none)",
+        "--swaps of each ((p) compares pacers of --pacer-slack-ms with none; (s) runs once per mode)",
     )
     ap.add_argument(
         "--pacer-slack-ms",
@@ -1160,6 +1211,12 @@ def main() -> None:
         help="(p): turns of each mode, steady and arriving (tokens within max_model_len)",
     )
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
+    ap.add_argument("--served-rounds", type=int, default=3, help="(s): rounds of its four phases, per pacer mode")
+    ap.add_argument(
+        "--served-diagnostics",
+        action="store_true",
+        help="(s): each phase's step counters, slowest gaps, arrivals and first tokens",
+    )
     ap.add_argument(
         "--async-steps",
         default="auto",
@@ -1186,8 +1243,9 @@ def main() -> None:
     for flag, value in (("--load-ahead", args.load_ahead), ("--compose-late", args.compose_late)):
         if not set(value.split(",")) <= {"on", "off"}:
             ap.error(f"{flag} takes on and off, comma-separated, got {value!r}")
-    global TRACE, LOADER
+    global TRACE, LOADER, SERVED_DIAGNOSTICS
     TRACE = args.trace
+    SERVED_DIAGNOSTICS = args.served_diagnostics
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"device: {name}, torch {torch.__version__}, {args.shape} x {args.layers} layers", flush=True)
     b = Bench(args)
@@ -1275,7 +1333,8 @@ def main() -> None:
                 tuple(m == "on" for m in args.compose_late.split(",")),
             )
         if "s" in args.only:  # (starts the engine's step loop: last)
-            section_served_loads(b, eng, prompt)
+            paced = tuple(m == "on" for m in args.compose_late.split(","))
+            section_served_loads(b, eng, prompt, args.served_rounds, paced)
         eng.stop()
         del eng
         free_gpu_memory()

@@ -155,6 +155,7 @@ class StepForward:
         self.fold_prompt_tokens = fold_prompt_tokens  # whole prompts up to this long join as decode rows
         self.folded_rows = 0  # prompt tokens run as rows of a decode graph (tests, benchmarks)
         self.folded_prompts = 0  # of which whole prompts, from their start
+        self.eager_runs = 0  # forward passes run eagerly, no captured graph holding their rows (benchmarks)
         # The last step's rows that predict prompt tokens of the requests asking for prompt log-probabilities.
         self.prompt_rows: list[PromptRows] = []
         self.readback = TokenReadback(kv.total, device)  # where async steps' tokens come back to the host
@@ -324,6 +325,7 @@ class StepForward:
     def _forward_eager(
         self, seqs: list[Sequence], prefills: dict[Sequence, int], previous: InFlight | None
     ) -> torch.Tensor:
+        self.eager_runs += 1
         decoding = [s for s in seqs if s not in prefills]
         decode_ids, decode_positions = self._decode_inputs(decoding, previous)
         input_ids: list[int] = []
