@@ -576,6 +576,7 @@ def section_served_loads(
         last: dict[str, float] = {}
         ended = threading.Semaphore(0)
         reasons: list[str] = []  # every request's finish reason (80 or 4 tokens: "length")
+        all_decoding = threading.Event()  # every running request has its first token
 
         def gap_sink(rid: str) -> Callable[[RequestOutput], None]:
             def record(o: RequestOutput) -> None:
@@ -584,6 +585,8 @@ def section_served_loads(
                     out.append(now - last[rid])
                     gap_at.append(now - began)
                 last[rid] = now
+                if len(last) == b.running:
+                    all_decoding.set()
                 if o.finish_reason:
                     reasons.append(o.finish_reason)
                     ended.release()
@@ -612,7 +615,10 @@ def section_served_loads(
             eng.add_request(rid, prompt, SamplingParams(max_tokens=80, ignore_eos=True), None, gap_sink(rid))
         joiners, registered = 0, []
         firsts: list[tuple[float, int]] = []  # joiners' first tokens: when (from `began`), the engine's step count
-        start = time.perf_counter() + 2 * interval  # past the running requests' prefills
+        # Past the running requests' prefills: arrivals during them would all join one step after them.
+        if not all_decoding.wait(timeout=60):
+            raise AssertionError(f"(s) {phase}: the running requests did not all start within 60 s")
+        start = time.perf_counter() + interval
         for j in range(12 if phase != "steady" else 0):
             time.sleep(max(0.0, start + j * interval - time.perf_counter()))
             sent = time.perf_counter()
@@ -665,6 +671,41 @@ def section_served_loads(
             "fills ahead": eng.pool.fills_ahead,
         }
 
+    def burst(grouped: bool, tag: str) -> list[float]:
+        """First-token times of `b.running` requests sent together to the idle engine, with the forward's
+        prompt groups on or off (a prefill graph each)."""
+        eng.forward.group_prompts = grouped
+        firsts: list[float] = []
+        ended = threading.Semaphore(0)
+
+        def sink(o: RequestOutput) -> None:
+            if o.token_ids and o.completion_tokens == 1:
+                firsts.append(time.perf_counter() - sent)
+            if o.finish_reason:
+                ended.release()
+
+        sent = time.perf_counter()
+        for i in range(b.running):
+            eng.add_request(f"sb{tag}{i}", prompt, SamplingParams(max_tokens=2, ignore_eos=True), None, sink)
+        for _ in range(b.running):
+            if not ended.acquire(timeout=60):
+                raise AssertionError("(s) a request of a burst did not end within 60 s")
+        eng.forward.group_prompts = True
+        return firsts
+
+    bursts: dict[bool, list[list[float]]] = {True: [], False: []}
+    for r in range(6):
+        for grouped in (r % 2 == 0, r % 2 == 1):  # each first as often
+            bursts[grouped].append(burst(grouped, f"{r}{grouped:d}"))
+    if eng.forward.graphs is not None:
+        on, off = ([p50(b_) for b_ in bursts[g]] for g in (True, False))
+        last_on, last_off = ([max(b_) for b_ in bursts[g]] for g in (True, False))
+        report_loader(
+            f"(s) {b.running} requests sent together to the idle engine, prompt groups on / off (a prefill graph "
+            f"each), p50 of 6 bursts: first token p50 {p50(on) * 1e3:.1f} / {p50(off) * 1e3:.1f} ms "
+            f"({p50(on) / p50(off):.3f}x), the burst's last {p50(last_on) * 1e3:.1f} / {p50(last_off) * 1e3:.1f} ms "
+            f"({p50(last_on) / p50(last_off):.3f}x)"
+        )
     for paced in modes:
         eng.pacer = original if paced else None  # (read by the engine thread once per step)
         gaps.clear()

@@ -156,6 +156,8 @@ class StepForward:
         self.folded_rows = 0  # prompt tokens run as rows of a decode graph (tests, benchmarks)
         self.folded_prompts = 0  # of which whole prompts, from their start
         self.eager_runs = 0  # forward passes run eagerly, no captured graph holding their rows (benchmarks)
+        self.grouped_prompts = 0  # prompt chunks run together as the rows of decode graphs of their own
+        self.group_prompts = True  # (`_prompt_groups`; benchmarks compare with prefill graphs one prompt each)
         # The last step's rows that predict prompt tokens of the requests asking for prompt log-probabilities.
         self.prompt_rows: list[PromptRows] = []
         self.readback = TokenReadback(kv.total, device)  # where async steps' tokens come back to the host
@@ -207,11 +209,19 @@ class StepForward:
         # Chosen first: a whole prompt that runs as decode rows replays no prefill graph.
         chunks = [s for s in running if s in prefills]
         folded = self._foldable(decoding, chunks, prefills) if self.graphs is not None else []
+        groups = (
+            self._prompt_groups([s for s in chunks if s not in folded], prefills) if self.graphs is not None else []
+        )
+        grouped = {s for group in groups for s in group}
         # A prefill graph yields the last position's logits only: prompts that want them all run eagerly.
         whole = [
             s
             for s in running
-            if s in prefills and prefills[s] == len(s.prompt_ids) and not s.wants_prompt_logprobs and s not in folded
+            if s in prefills
+            and prefills[s] == len(s.prompt_ids)
+            and not s.wants_prompt_logprobs
+            and s not in folded
+            and s not in grouped
         ]
         if self.prefill_graphs is not None and self._prefill_stream is not None and whole:
             # Enqueued first, on a second stream: the GPU runs these prefills alongside the decode graph
@@ -240,6 +250,22 @@ class StepForward:
                     self.folded_prompts += sum(s.prefilled == prefills[s] for s in folded)
                 order, parts = decoding + [s for s in folded if s.prefill_done], [logits]
                 eager = [s for s in eager if s in prefills and s not in folded]
+            if groups and parts:  # the replays below rewrite the graphs' shared output, which `logits` may view
+                parts = [parts[0].clone()]
+            for group in groups:
+                logits = self._decode_graphed([], None, group, prefills)
+                if logits is None:  # (no bucket holds it: its prompts stay eager)
+                    continue
+                ends, rows = [], 0
+                for seq in group:
+                    rows += prefills[seq]
+                    if seq.prefill_done:
+                        ends.append(rows - 1)
+                if ends:
+                    parts.append(logits.index_select(0, upload(ends, torch.long, logits.device)))
+                    order = order + [s for s in group if s.prefill_done]
+                eager = [s for s in eager if s not in group]
+                self.grouped_prompts += len(group)
         if trace:
             trace.mark()
         if prefilled and self._prefill_stream is not None:
@@ -293,6 +319,30 @@ class StepForward:
                 folded.append(seq)
                 room -= prefills[seq]
         return folded
+
+    def _prompt_groups(self, chunks: list[Sequence], prefills: dict[Sequence, int]) -> list[list[Sequence]]:
+        """Prompt chunks of this step that no decode row took (`_foldable`), packed into the rows of decode
+        graphs of their own, where at least two are up to `fold_prompt_tokens` long: each replay reads the
+        weights once for all of its prompts, where a prefill graph reads them once per prompt. 64 requests
+        arriving together otherwise replayed 64 prefill graphs in one step (180 ms at Llama-7B dims, 16
+        layers, on an H100: bench/RESULTS-gpu.md, stop 40), and joins that came together lengthened the step
+        of the requests decoding beside them by one whole-model read each. A chunk past its prompt's start
+        attends to the keys before it in its KV row, as a folded one does; one asking for prompt
+        log-probabilities stays out (a graph keeps only a chunk's last row)."""
+        assert self.graphs is not None
+        fits = [s for s in chunks if prefills[s] <= self.fold_prompt_tokens and not s.wants_prompt_logprobs]
+        if len(fits) < 2 or not self.group_prompts:
+            return []
+        room = self.graphs.batches[-1]
+        groups: list[list[Sequence]] = [[]]
+        used = 0
+        for seq in fits:
+            if used + prefills[seq] > room and groups[-1]:
+                groups.append([])
+                used = 0
+            groups[-1].append(seq)
+            used += prefills[seq]
+        return groups
 
     def _decode_graphed(
         self,

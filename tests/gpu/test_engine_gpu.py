@@ -274,7 +274,8 @@ def test_short_prompts_joining_as_decode_rows_match_eager(
 ) -> None:
     """`fold_prompt_tokens`: prompts joining running decodes run as rows of the decode graph (the 51- and
     65-token ones; the 79-token one no longer fits beside them and replays its prefill graph), sync and async,
-    with the eager engine's tokens."""
+    with the eager engine's tokens. The three that start together (9, 23 and 37 tokens) run as the rows of one
+    decode graph of their own."""
     eager, _ = engines
     folding = _engine(model_dir, eager=False, fold_prompt_tokens=160)
     try:
@@ -285,12 +286,27 @@ def test_short_prompts_joining_as_decode_rows_match_eager(
         want = _join(eager, prompts, names)
         for steps in (False, True):
             folding.async_steps = steps
-            folded, replays = folding.forward.folded_prompts, folding.prefill_graphs.replays  # type: ignore[union-attr]
+            forward = folding.forward
+            folded, grouped = forward.folded_prompts, forward.grouped_prompts
+            replays = folding.prefill_graphs.replays  # type: ignore[union-attr]
             assert _join(folding, prompts, names) == want
-            assert folding.forward.folded_prompts - folded == 2
-            assert folding.prefill_graphs.replays - replays == 4  # type: ignore[union-attr]  # 3 at the start, 79
+            assert (forward.folded_prompts - folded, forward.grouped_prompts - grouped) == (2, 3)
+            assert folding.prefill_graphs.replays - replays == 1  # type: ignore[union-attr]  # the 79-token one
     finally:
         folding.stop()
+
+
+def test_prompts_arriving_together_run_grouped_and_match_eager(engines: tuple[LLMEngine, LLMEngine]) -> None:
+    """Eight short prompts started together, on adapters and none: the rows of decode graphs of their own (one
+    model read for several prompts) instead of eight prefill graphs, with the eager engine's tokens."""
+    eager, graphed = engines
+    prompts = [p[:40] for p in _prompts(eager, 8)]  # 9 to 40 tokens: within the default fold_prompt_tokens 64
+    names: list[str | None] = [None, "r16", "r8-qv", "r16", None, "r4-mlp", "r16", None]
+    requests = list(zip(prompts, names, strict=True))
+    grouped, replays = graphed.forward.grouped_prompts, graphed.prefill_graphs.replays  # type: ignore[union-attr]
+    assert _generate(graphed, requests, 12) == _generate(eager, requests, 12)
+    assert graphed.forward.grouped_prompts - grouped == 8
+    assert graphed.prefill_graphs.replays == replays  # type: ignore[union-attr]
 
 
 def test_prompts_prefilled_in_chunks_beside_graphed_decodes_match_whole_eager_prefills(

@@ -505,6 +505,8 @@ def test_graphed_steps_give_the_eager_engines_tokens(
     assert engine.prefix_cache.hit_tokens >= 4 * 40, "the shared starts were not read from the prefix cache"
     assert (engine.forward.folded_rows > 0) == decode_graphs  # the rests of those prompts, in decode graphs
     assert (engine.forward.folded_prompts > 0) == bool(options.get("fold_prompt_tokens"))  # short joins too
+    # Short prompts that started together with no room beside decoding rows: decode graphs of their own.
+    assert (engine.forward.grouped_prompts > 0) == bool(options.get("fold_prompt_tokens"))
 
 
 @pytest.mark.parametrize("async_steps", ["off", "on"])

@@ -199,6 +199,39 @@ def test_short_prompts_joining_decoding_rows_run_as_rows_of_the_decode_graph(rep
     torch.testing.assert_close(logits, _eager(eager_kv, [(c, [8], 4)]), rtol=1e-4, atol=1e-4)
 
 
+def test_short_prompts_arriving_together_run_as_rows_of_decode_graphs_of_their_own(replays: list[object]) -> None:
+    """Two or more short prompts that no decode row took run together as the rows of decode graphs, as many
+    prompts as each graph's rows hold, instead of one prefill (or eager pass) each; their logits and KV rows are
+    the eager model's. With a row decoding, the prompts that fit join its graph first."""
+    graphed_kv, eager_kv = _caches()
+    forward = _graphed(graphed_kv, fold_prompt_tokens=5)  # graphs of up to 9 rows
+    a, c, d = _seq("a", [5, 6, 7], 0, 0), _seq("c", [4, 4, 2, 7], 1, 1), _seq("d", [3, 1, 4, 1, 5], 2, -1)
+
+    order, logits = forward.logits([a, c, d], {a: 3, c: 4, d: 5}, None)  # nothing decodes beside them
+
+    assert order == [a, c, d] and forward.eager_runs == 0
+    assert replays == [cuda_graphs.GraphKey(8, 256, True, False), cuda_graphs.GraphKey(8, 256, False, False)]
+    assert forward.grouped_prompts == 3 and forward.folded_rows == 0  # a and c (7 rows), then d (5)
+    want = _eager(eager_kv, [(a, a.prompt_ids, 0), (c, c.prompt_ids, 0), (d, d.prompt_ids, 0)])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+
+    c.output_ids, c.status = [8], SeqStatus.RUNNING  # c decodes on; a and d ended, their KV rows free
+    e, f, g = _seq("e", [2, 7, 1, 8, 2], 0, 1), _seq("f", [6, 1, 8, 2], 2, -1), _seq("g", [9, 3, 3, 1], 3, 0)
+    replayed = len(replays)
+    order, logits = forward.logits([c, e, f, g], {e: 5, f: 4, g: 4}, None)
+
+    # e joins c's graph (6 of its 9 rows); f and g no longer fit there, and run together in a graph of their own
+    assert order == [c, e, f, g] and len(replays) == replayed + 2 and forward.eager_runs == 0
+    assert (forward.folded_rows, forward.grouped_prompts) == (5, 5)
+    want = _eager(eager_kv, [(c, [8], 4), (e, e.prompt_ids, 0), (f, f.prompt_ids, 0), (g, g.prompt_ids, 0)])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    # The KV rows hold the grouped prompts as whole prefills write them: their next decode step agrees.
+    for seq, token in ((f, 5), (g, 6)):
+        seq.output_ids, seq.status = [token], SeqStatus.RUNNING
+    order, logits = forward.logits([f, g], {}, None)
+    torch.testing.assert_close(logits, _eager(eager_kv, [(f, [5], 4), (g, [6], 4)]), rtol=1e-4, atol=1e-4)
+
+
 def test_token_readback_never_hands_out_the_buffer_of_the_step_before() -> None:
     """A step's tokens come back into one buffer while the step before's are read from the other."""
     readback = TokenReadback(4, CPU)
