@@ -545,7 +545,12 @@ SERVED_DIAGNOSTICS = False  # --served-diagnostics: (s) prints each phase's coun
 
 
 def section_served_loads(
-    b: Bench, eng: LLMEngine, prompt: list[int], rounds: int = 3, pacer_modes: tuple[bool, ...] = (True,)
+    b: Bench,
+    eng: LLMEngine,
+    prompt: list[int],
+    rounds: int = 3,
+    pacer_modes: tuple[bool, ...] = (True,),
+    fill_modes: tuple[bool, ...] = (True,),
 ) -> None:
     """(s) (d) under the engine's own step loop, as a server runs it: the engine thread steps (with async steps,
     composing each step while the one before runs on the GPU), and everything arrives from this thread, as
@@ -554,25 +559,26 @@ def section_served_loads(
     with no request for them (loads alone), or adapters registered and a request for each (cold joins, loading
     from disk). Each phase starts its running requests afresh, so all meet the same KV lengths, and the phases
     take turns over `rounds` rounds, each round starting from the next phase. Others' gaps are pooled per phase.
-    `pacer_modes`: all of it with the engine's late composition on (True) and off (False), in turn, where the
-    engine has it (async steps).
+    `pacer_modes`: all of it with the engine's late composition on (True) and off (False), where the engine has
+    it (async steps); `fill_modes`: with slot fills waiting for the slot's last step only (True) or for all the
+    work queued before them (False; `LoRAStacks.fill_beside_steps`). Each round runs every pair of modes, in
+    an order that moves on by one each round.
 
     Starts the engine's step loop: the engine can only be stopped after this section."""
     eng.start()
     warm_names = [f"sw{i}" for i in range(12)]
-    modes = pacer_modes if eng.pacer is not None else (False,)
+    modes = [(p, f) for p in (pacer_modes if eng.pacer is not None else (False,)) for f in fill_modes]
     paths = b.adapters(eng, "s", 12 + 24 * rounds * len(modes))
     for name, path in zip(warm_names, paths, strict=False):
         eng.load_adapter(name, str(path), wait=True)
     fresh = iter(paths[12:])  # (each adapter loads from disk once)
     original = eng.pacer
-    gaps: dict[str, list[float]] = {}
-    joiner_ttft: dict[str, list[float]] = {}
-    load_s: list[float] = []
-    per_round: list[dict[str, float]] = []
 
-    def phase_run(phase: str, tag: str, interval: float) -> list[float]:
+    def phase_run(phase: str, tag: str, interval: float) -> tuple[list[float], list[float], list[float]]:
+        """Others' gaps, the joiners' TTFTs and the loads' times (registration -> load ended) of one phase."""
         out: list[float] = []
+        ttfts: list[float] = []
+        load_s: list[float] = []
         last: dict[str, float] = {}
         ended = threading.Semaphore(0)
         reasons: list[str] = []  # every request's finish reason (80 or 4 tokens: "length")
@@ -596,7 +602,7 @@ def section_served_loads(
         def joiner_sink(sent: float) -> Callable[[RequestOutput], None]:
             def record(o: RequestOutput) -> None:
                 if o.token_ids and o.completion_tokens == 1:
-                    joiner_ttft[phase].append(time.perf_counter() - sent)
+                    ttfts.append(time.perf_counter() - sent)
                     firsts.append((time.perf_counter() - began, eng.steps))
                 if o.finish_reason:
                     reasons.append(o.finish_reason)
@@ -656,7 +662,7 @@ def section_served_loads(
                 + "; first tokens (ms, step): "
                 + " ".join(f"{t * 1e3:.0f},{k}" for t, k in sorted(firsts))
             )
-        return out
+        return out, ttfts, load_s
 
     def counters() -> dict[str, int]:
         graphs, prefill_graphs = eng.forward.graphs, eng.forward.prefill_graphs
@@ -706,34 +712,46 @@ def section_served_loads(
             f"({p50(on) / p50(off):.3f}x), the burst's last {p50(last_on) * 1e3:.1f} / {p50(last_off) * 1e3:.1f} ms "
             f"({p50(last_on) / p50(last_off):.3f}x)"
         )
-    for paced in modes:
+
+    def use(mode: tuple[bool, bool]) -> None:
+        paced, beside = mode
         eng.pacer = original if paced else None  # (read by the engine thread once per step)
-        gaps.clear()
-        gaps.update({phase: [] for phase in SERVED_PHASES})
-        joiner_ttft.clear()
-        joiner_ttft.update({phase: [] for phase in SERVED_PHASES})
-        load_s.clear()
-        per_round.clear()
-        # a warm-up, and the arrivals' spacing: 4 steady steps
-        interval = 4 * p50(phase_run("steady", f"w{paced:d}", 0.0))
-        for r in range(rounds):
+        eng.stacks.fill_beside_steps = beside
+
+    gaps = {m: {phase: list[float]() for phase in SERVED_PHASES} for m in modes}
+    ttfts = {m: {phase: list[float]() for phase in SERVED_PHASES} for m in modes}
+    loads = {m: list[float]() for m in modes}
+    per_round: dict[tuple[bool, bool], list[dict[str, float]]] = {m: [] for m in modes}
+    use(modes[0])
+    interval = 4 * p50(phase_run("steady", "w", 0.0)[0])  # a warm-up, and the arrivals' spacing: 4 steady steps
+    for r in range(rounds):
+        for i in range(len(modes)):
+            mode = modes[(r + i) % len(modes)]
+            use(mode)
             order = SERVED_PHASES[r % len(SERVED_PHASES) :] + SERVED_PHASES[: r % len(SERVED_PHASES)]
-            this_round = {phase: phase_run(phase, f"{paced:d}{r}{k}", interval) for k, phase in enumerate(order)}
-            for phase, out in this_round.items():
-                gaps[phase] += out
-            per_round.append({phase: p99(out) for phase, out in this_round.items()})
-        steady = p99(gaps["steady"])
-        pacing = "" if original is None else f", compose late {'on' if paced else 'off'}"
+            row: dict[str, float] = {}
+            for k, phase in enumerate(order):
+                out, own, load_s = phase_run(phase, f"{mode[0]:d}{mode[1]:d}{r}{k}", interval)
+                gaps[mode][phase] += out
+                ttfts[mode][phase] += own
+                loads[mode] += load_s
+                row[phase] = p99(out)
+            per_round[mode].append(row)
+    use((True, True))  # the engine's defaults
+    for mode in modes:
+        paced, beside = mode
+        steady = p99(gaps[mode]["steady"])
+        label = ", fills " + ("beside the step in flight" if beside else "after all queued work")
+        label += "" if original is None else f", compose late {'on' if paced else 'off'}"
         for phase in SERVED_PHASES[1:]:
-            rounds_x = ", ".join(f"{row[phase] / row['steady']:.2f}x" for row in per_round)
-            own = f"; their TTFT p50 {p50(joiner_ttft[phase]) * 1e3:.2f} ms" if joiner_ttft[phase] else ""
-            loads = f"; registration -> load ended p50 {p50(load_s) * 1e3:.1f} ms" if phase == "loads alone" else ""
+            rounds_x = ", ".join(f"{row[phase] / row['steady']:.2f}x" for row in per_round[mode])
+            their = f"; their TTFT p50 {p50(ttfts[mode][phase]) * 1e3:.2f} ms" if ttfts[mode][phase] else ""
+            load = f"; registration -> load ended p50 {p50(loads[mode]) * 1e3:.1f} ms" if phase == "loads alone" else ""
             report_loader(
-                f"(s) the engine's own step loop{pacing}, {b.running} base requests decoding, others' inter-token "
-                f"p99 while 12 {phase} arrive: {p99(gaps[phase]) * 1e3:.2f} ms against steady {steady * 1e3:.2f} "
-                f"ms ({p99(gaps[phase]) / steady:.2f}x; by round {rounds_x}){own}{loads}"
+                f"(s) the engine's own step loop{label}, {b.running} base requests decoding, others' inter-token "
+                f"p99 while 12 {phase} arrive: {p99(gaps[mode][phase]) * 1e3:.2f} ms against steady "
+                f"{steady * 1e3:.2f} ms ({p99(gaps[mode][phase]) / steady:.2f}x; by round {rounds_x}){their}{load}"
             )
-    eng.pacer = original
 
 
 def back_in_host_ram(eng: LLMEngine, names: list[str]) -> None:
@@ -1252,7 +1270,12 @@ def main() -> None:
         help="(p): turns of each mode, steady and arriving (tokens within max_model_len)",
     )
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
-    ap.add_argument("--served-rounds", type=int, default=3, help="(s): rounds of its four phases, per pacer mode")
+    ap.add_argument("--served-rounds", type=int, default=3, help="(s): rounds of its four phases, per pair of modes")
+    ap.add_argument(
+        "--fills-beside-steps",
+        default="on",
+        help="(s): slot fills wait for the slot's last step only (on) or all queued work (off), e.g. on,off",
+    )
     ap.add_argument(
         "--served-diagnostics",
         action="store_true",
@@ -1281,7 +1304,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.swaps < 1:
         ap.error(f"--swaps must be at least 1, got {args.swaps}")
-    for flag, value in (("--load-ahead", args.load_ahead), ("--compose-late", args.compose_late)):
+    for flag, value in (
+        ("--load-ahead", args.load_ahead),
+        ("--compose-late", args.compose_late),
+        ("--fills-beside-steps", args.fills_beside_steps),
+    ):
         if not set(value.split(",")) <= {"on", "off"}:
             ap.error(f"{flag} takes on and off, comma-separated, got {value!r}")
     global TRACE, LOADER, SERVED_DIAGNOSTICS
@@ -1375,7 +1402,8 @@ def main() -> None:
             )
         if "s" in args.only:  # (starts the engine's step loop: last)
             paced = tuple(m == "on" for m in args.compose_late.split(","))
-            section_served_loads(b, eng, prompt, args.served_rounds, paced)
+            beside = tuple(m == "on" for m in args.fills_beside_steps.split(","))
+            section_served_loads(b, eng, prompt, args.served_rounds, paced, beside)
         eng.stop()
         del eng
         free_gpu_memory()

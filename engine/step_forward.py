@@ -287,6 +287,9 @@ class StepForward:
             order, parts = order + [eager[i] for i in keep], [*parts, logits]
         if trace:
             trace.mark()
+        # After every row's forward on this stream: the slots' next fills wait for it (a prefill graph's rows
+        # too, which the stream waited for above).
+        self.stacks.mark_read({s.lora_slot for s in running if s.lora_slot >= 0})
         if not parts:
             return order, torch.empty(0, 0, device=self.device)
         return order, parts[0] if len(parts) == 1 else torch.cat(parts)

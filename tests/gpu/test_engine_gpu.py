@@ -269,6 +269,34 @@ def test_prompts_joining_running_decodes_match_eager(engines: tuple[LLMEngine, L
         assert _join(graphed, prompts, names) == _join(eager, prompts, names)
 
 
+def test_slots_refilled_beside_steps_in_flight_serve_each_adapters_weights(
+    engines: tuple[LLMEngine, LLMEngine], model_dir: Path, tmp_path: Path
+) -> None:
+    """More adapters than slots, joining while others decode under async steps: a fill or reset waits only for
+    the last step that read its slot (`LoRAStacks.mark_read`), so its copies run beside the step in flight.
+    Every request still gets the eager engine's tokens (sync steps: nothing in flight as it fills)."""
+    eager, graphed = engines
+    arch, _ = load_weights(resolve_model(str(model_dir)))
+    names = [f"s{i}" for i in range(8)]
+    for i, name in enumerate(names):
+        path = write_adapter(tmp_path / name, arch=arch, rank=8, alpha=16, modules=ALL7, seed=200 + i)
+        for engine in engines:
+            engine.load_adapter(name, str(path), wait=True)
+    prompts = _prompts(eager, 6)
+    was_async, graphed.async_steps = graphed.async_steps, True
+    try:
+        evictions = graphed.pool.evictions
+        for wave in range(3):  # 6 adapters a wave on 4 slots: the joiners' fills evict idle ones
+            chosen: list[str | None] = [names[(3 * wave + j) % len(names)] for j in range(6)]
+            assert _join(graphed, prompts, chosen) == _join(eager, prompts, chosen), f"wave {wave}"
+        assert graphed.pool.evictions - evictions >= 6
+    finally:
+        graphed.async_steps = was_async
+        for engine in engines:
+            for name in names:
+                engine.unload_adapter(name)
+
+
 def test_short_prompts_joining_as_decode_rows_match_eager(
     engines: tuple[LLMEngine, LLMEngine], model_dir: Path, adapter_dirs: dict[str, Path]
 ) -> None:
