@@ -137,11 +137,14 @@ def test_graph_decode_matches_eager_on_a_mixed_padded_batch(engines: tuple[LLMEn
     requests = list(zip(_prompts(eager, 6), names, strict=True))
     assert graphed.prefill_graphs is not None
     before, prefills_before = graphed.graphs.replays, graphed.prefill_graphs.replays
+    grouped = graphed.forward.grouped_prompts
     want = _generate(eager, requests, tokens=24)
     got = _generate(graphed, requests, tokens=24)
     assert got == want
     assert graphed.graphs.replays - before >= 20  # decode steps really ran as graphs
-    assert graphed.prefill_graphs.replays - prefills_before == 6  # and every prompt's prefill
+    # and every prompt's prefill: the four of up to 64 tokens together as decode rows, 65 and 79 as prefills
+    assert graphed.forward.grouped_prompts - grouped == 4
+    assert graphed.prefill_graphs.replays - prefills_before == 2
 
 
 def test_graph_decode_crosses_a_kv_bucket_and_a_batch_shrinking(engines: tuple[LLMEngine, LLMEngine]) -> None:
@@ -599,10 +602,11 @@ def test_prompt_logprobs_under_graphs_are_those_of_the_whole_prompts_logits(
     }
     want = _generate(eager, [(prompts[0], None), (prompts[3], "r16")], 8)
     assert graphed.prefill_graphs is not None
-    replays = graphed.prefill_graphs.replays
+    replays, grouped = graphed.prefill_graphs.replays, graphed.forward.grouped_prompts
     for outputs, _ in _sync_then_async(graphed, requests):
         for rid, top in (("asking", 5), ("alone", 20)):
             check_prompt_logprobs(graphed, requests[rid][0], first_with_prompt_logprobs(outputs[rid]), top)
         assert outputs["alone"][-1].completion_tokens == 0
         assert [[t for o in outputs[rid] for t in o.token_ids] for rid in ("other", "adapter")] == want
-    assert graphed.prefill_graphs.replays - replays >= 4  # the other prompts still prefilled as graphs
+    # The other two prompts (9 and 51 tokens, started together) still ran in graphs: the rows of one decode graph.
+    assert graphed.forward.grouped_prompts - grouped == 4 and graphed.prefill_graphs.replays == replays
