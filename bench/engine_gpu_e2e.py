@@ -503,6 +503,8 @@ def section_others_during_loads(b: Bench, eng: LLMEngine, prompt: list[int], col
         f"{p99(elsewhere) / p99(warm):.2f}x the warm joins)"
     )
     loads_alone = gaps("loads", "l", first_path=60)
+    for j in range(12):  # (the phases after it keep the host tier and arena as before it was added)
+        eng.unload_adapter(f"xcl{j}")
     report_loader(
         f"(d) while 12 adapters load from disk with no request for them (registered on another thread): others' "
         f"p99 {p99(loads_alone) * 1e3:.2f} ms ({p99(loads_alone) / p99(steady):.2f}x steady); registration -> load "
@@ -677,10 +679,10 @@ def section_served_loads(
             "fills ahead": eng.pool.fills_ahead,
         }
 
-    def burst(grouped: bool, tag: str) -> list[float]:
+    def burst(on: bool, tag: str) -> list[float]:
         """First-token times of `b.running` requests sent together to the idle engine, with the forward's
         prompt groups on or off (a prefill graph each)."""
-        eng.forward.group_prompts = grouped
+        eng.forward.group_prompts = on
         firsts: list[float] = []
         ended = threading.Semaphore(0)
 
@@ -690,12 +692,24 @@ def section_served_loads(
             if o.finish_reason:
                 ended.release()
 
+        # The engine thread holds at a command until all are queued, so that one step admits the whole burst
+        # (else the first could start with a few, and the rest fold into its decode graph).
+        gate = threading.Event()
+
+        def hold() -> None:
+            gate.wait(timeout=60)
+
+        eng._commands.put(hold)
+        grouped = eng.forward.grouped_prompts
         sent = time.perf_counter()
         for i in range(b.running):
             eng.add_request(f"sb{tag}{i}", prompt, SamplingParams(max_tokens=2, ignore_eos=True), None, sink)
+        gate.set()
         for _ in range(b.running):
             if not ended.acquire(timeout=60):
                 raise AssertionError("(s) a request of a burst did not end within 60 s")
+        if on and eng.forward.graphs is not None and eng.forward.grouped_prompts - grouped < b.running - 1:
+            raise AssertionError(f"(s) a burst ran {eng.forward.grouped_prompts - grouped} prompts grouped")
         eng.forward.group_prompts = True
         return firsts
 

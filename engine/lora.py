@@ -284,6 +284,8 @@ class LoRAStacks:
         # which waits for the fill, started that much later (a 38 MiB host image: 0.76 ms on an H100).
         self._last_read: list[torch.cuda.Event | None] = [None] * slots
         self.fill_beside_steps = True  # False: wait for all work queued before (benchmarks compare)
+        if self._copy_stream is not None:  # a slot no step has read yet: its first fill after the zeroing above
+            self._copy_stream.wait_stream(torch.cuda.current_stream(device))
         self._fill_views: dict[tuple[int, tuple[str, ...], int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     @property

@@ -381,6 +381,7 @@ class AdapterPool:
         self.loads_started += 1
         version.error = None
         version.settled.clear()
+        version.settled_at = None
         try:
             if started is not None:
                 future = started

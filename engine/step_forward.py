@@ -192,6 +192,26 @@ class StepForward:
         previous: InFlight | None,
         trace: StepTrace | None = None,
     ) -> tuple[list[Sequence], torch.Tensor]:
+        """`_logits` (below), with the slots its rows read marked as read by this step's work (the slots' next
+        fills wait for it: `LoRAStacks.mark_read`), also when it raises after queueing some of that work."""
+        slots = {s.lora_slot for s in running if s.lora_slot >= 0}
+        # Every row's fill first, on this stream: the prefill stream, which waits for this one below, then
+        # inherits it (a wait on a slot's fill is taken once: had a prefill graph taken it on its own stream,
+        # the decode rows on this one would not wait).
+        self.stacks.wait_ready(slots)
+        try:
+            return self._logits(running, prefills, previous, trace)
+        finally:
+            # After every row's forward on this stream: a prefill graph's rows too, which it waited for.
+            self.stacks.mark_read(slots)
+
+    def _logits(
+        self,
+        running: list[Sequence],
+        prefills: dict[Sequence, int],
+        previous: InFlight | None,
+        trace: StepTrace | None,
+    ) -> tuple[list[Sequence], torch.Tensor]:
         """The rows of `running` that get a token this step, in the order their logits come, and the logits
         [rows, vocab].
 
@@ -287,9 +307,6 @@ class StepForward:
             order, parts = order + [eager[i] for i in keep], [*parts, logits]
         if trace:
             trace.mark()
-        # After every row's forward on this stream: the slots' next fills wait for it (a prefill graph's rows
-        # too, which the stream waited for above).
-        self.stacks.mark_read({s.lora_slot for s in running if s.lora_slot >= 0})
         if not parts:
             return order, torch.empty(0, 0, device=self.device)
         return order, parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -345,7 +362,8 @@ class StepForward:
                 used = 0
             groups[-1].append(seq)
             used += prefills[seq]
-        return groups
+        # One prompt left over replays its prefill graph, beside the decode graph, as any lone prompt does.
+        return [group for group in groups if len(group) > 1]
 
     def _decode_graphed(
         self,

@@ -43,7 +43,12 @@ def warm_up(engine: LLMEngine) -> int:
     prompt = [i % engine.arch.vocab_size for i in range(1, _PROMPT_TOKENS + 1)]
     cache = engine.prefix_cache
     caching, cache.enabled = cache.enabled, False  # its rows would keep the warm-up's tokens
-    counts = (engine.steps, engine.tokens_generated, engine.forward.folded_rows, engine.forward.folded_prompts)
+    forward = engine.forward
+    counts = (engine.steps, engine.tokens_generated, forward.folded_rows, forward.folded_prompts, forward.eager_runs)
+    grouped = forward.grouped_prompts
+    # The two starting prompts replay prefill graphs, as a lone request's prompt does: grouped, they would run
+    # as decode rows, and the first real prefill would pay the one-time costs this is here to take.
+    grouping, forward.group_prompts = forward.group_prompts, False
     try:
         for i in range(2):
             _add(engine, f"warm-up-{i}", prompt, _RUNNING)
@@ -55,8 +60,10 @@ def warm_up(engine: LLMEngine) -> int:
         engine.run_until_idle()
     finally:
         cache.enabled = caching
+        forward.group_prompts = grouping
     steps = engine.steps - counts[0]
-    engine.steps, engine.tokens_generated, engine.forward.folded_rows, engine.forward.folded_prompts = counts
+    engine.steps, engine.tokens_generated, forward.folded_rows, forward.folded_prompts, forward.eager_runs = counts
+    forward.grouped_prompts = grouped
     return steps
 
 

@@ -142,9 +142,10 @@ def test_graph_decode_matches_eager_on_a_mixed_padded_batch(engines: tuple[LLMEn
     got = _generate(graphed, requests, tokens=24)
     assert got == want
     assert graphed.graphs.replays - before >= 20  # decode steps really ran as graphs
-    # and every prompt's prefill: the four of up to 64 tokens together as decode rows, 65 and 79 as prefills
-    assert graphed.forward.grouped_prompts - grouped == 4
-    assert graphed.prefill_graphs.replays - prefills_before == 2
+    # and every prompt's prefill: 9, 23 and 37 tokens together as decode rows (69 of 72); 51 no longer fits
+    # them, and alone replays its prefill graph, as 65 and 79 do
+    assert graphed.forward.grouped_prompts - grouped == 3
+    assert graphed.prefill_graphs.replays - prefills_before == 3
 
 
 def test_graph_decode_crosses_a_kv_bucket_and_a_batch_shrinking(engines: tuple[LLMEngine, LLMEngine]) -> None:
@@ -331,7 +332,7 @@ def test_prompts_arriving_together_run_grouped_and_match_eager(engines: tuple[LL
     """Eight short prompts started together, on adapters and none: the rows of decode graphs of their own (one
     model read for several prompts) instead of eight prefill graphs, with the eager engine's tokens."""
     eager, graphed = engines
-    prompts = [p[:40] for p in _prompts(eager, 8)]  # 9 to 40 tokens: within the default fold_prompt_tokens 64
+    prompts = [p[:16] for p in _prompts(eager, 8)]  # 9 and 16 tokens: two groups (57 and 64 of 72 rows)
     names: list[str | None] = [None, "r16", "r8-qv", "r16", None, "r4-mlp", "r16", None]
     requests = list(zip(prompts, names, strict=True))
     grouped, replays = graphed.forward.grouped_prompts, graphed.prefill_graphs.replays  # type: ignore[union-attr]

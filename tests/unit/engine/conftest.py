@@ -1,8 +1,10 @@
-"""Fixtures shared by the engine's unit tests: `replays` stands in for CUDA graph capture on the CPU."""
+"""Fixtures shared by the engine's unit tests: `replays` stands in for CUDA graph capture on the CPU, and
+`prefill_stream` for CUDA streams."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -42,3 +44,37 @@ def _keyed_capture(self: cuda_graphs.DecodeGraphs, key: cuda_graphs.GraphKey) ->
     graph, out = cuda_graphs.capture(lambda: self._forward(key), self._pool, self.capture_stream)
     graph.key = key  # type: ignore[attr-defined]
     self._graphs[key], self._logits[key] = graph, out  # type: ignore[assignment]
+
+
+class HostStream:
+    """A CUDA stream's stand-in: the CPU runs work as it is issued, so a stream only logs the waits between
+    streams, and entering and leaving it (`torch.cuda.stream`), into the replay log."""
+
+    def __init__(self, name: str, log: list[object]) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: HostStream) -> None:
+        self.log.append(f"{self.name} waits {other.name}")
+
+    def wait_event(self, event: object) -> None:
+        self.log.append(f"{self.name} waits {event}")
+
+
+@pytest.fixture
+def prefill_stream(monkeypatch: pytest.MonkeyPatch, replays: list[object]) -> HostStream:
+    """The prefill stream, with `torch.cuda.current_stream` and `torch.cuda.stream` stood in for."""
+    current = [HostStream("main", replays)]
+
+    @contextlib.contextmanager
+    def stream(s: HostStream) -> Iterator[None]:
+        current.append(s)
+        replays.append(f"on {s.name}")
+        try:
+            yield
+        finally:
+            current.pop()
+            replays.append(f"off {s.name}")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    return HostStream("prefill", replays)

@@ -11,7 +11,6 @@ torch definitions), real stream concurrency and the memory a captured graph bake
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,7 +29,9 @@ from engine.lora_plan import SegmentPlan
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput, Sequence
 from engine.step_forward import StepForward
+from engine.warm_up import warm_up
 from tests.support.random_model import write_tiny_llama
+from tests.unit.engine.conftest import HostStream
 from tests.unit.engine.test_engine_prompt_logprobs import check_prompt_logprobs, first_with_prompt_logprobs
 from tests.unit.engine.tiny import write_adapter
 
@@ -272,37 +273,6 @@ def expected(model: Path, files: list[Path]) -> dict[str, Run]:
     return runs
 
 
-class HostStream:
-    """A CUDA stream's stand-in: the CPU runs work as it is issued, so a stream only logs the waits between
-    streams, and entering and leaving it (`torch.cuda.stream`), into the replay log."""
-
-    def __init__(self, name: str, log: list[object]) -> None:
-        self.name, self.log = name, log
-
-    def wait_stream(self, other: HostStream) -> None:
-        self.log.append(f"{self.name} waits {other.name}")
-
-
-@pytest.fixture
-def prefill_stream(monkeypatch: pytest.MonkeyPatch, replays: list[object]) -> HostStream:
-    """The prefill stream, with `torch.cuda.current_stream` and `torch.cuda.stream` stood in for."""
-    current = [HostStream("main", replays)]
-
-    @contextlib.contextmanager
-    def stream(s: HostStream) -> Iterator[None]:
-        current.append(s)
-        replays.append(f"on {s.name}")
-        try:
-            yield
-        finally:
-            current.pop()
-            replays.append(f"off {s.name}")
-
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
-    monkeypatch.setattr(torch.cuda, "stream", stream)
-    return HostStream("prefill", replays)
-
-
 @pytest.fixture
 def checked_plans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """`kernels.lora_apply` checking, before it runs, that the plan a graph's kernels would read (the CPU path
@@ -507,6 +477,24 @@ def test_graphed_steps_give_the_eager_engines_tokens(
     assert (engine.forward.folded_prompts > 0) == bool(options.get("fold_prompt_tokens"))  # short joins too
     # Short prompts that started together with no room beside decoding rows: decode graphs of their own.
     assert (engine.forward.grouped_prompts > 0) == bool(options.get("fold_prompt_tokens"))
+
+
+def test_the_warm_up_replays_prefill_graphs_and_leaves_the_counters_as_they_were(
+    model: Path, replays: list[object], prefill_stream: HostStream
+) -> None:
+    """The warm-up's two starting prompts replay prefill graphs, as a lone request's does, though prompt groups
+    would take them; and the forward's counters read as before it."""
+    engine = new_engine(model, fused=True, async_steps="on", lora_gemm="off", fills_ahead=0, fold_prompt_tokens=16)
+    try:
+        graph(engine, prefill_stream)
+        forward = engine.forward
+        assert engine.prefill_graphs is not None
+        before = (forward.grouped_prompts, forward.eager_runs, forward.folded_prompts, engine.prefill_graphs.replays)
+        warm_up(engine)
+        assert (forward.grouped_prompts, forward.eager_runs, forward.folded_prompts) == before[:3]
+        assert engine.prefill_graphs.replays - before[3] == 2 and forward.group_prompts
+    finally:
+        engine.stop()
 
 
 @pytest.mark.parametrize("async_steps", ["off", "on"])

@@ -54,7 +54,8 @@ def test_register_loads_in_background_then_acquires_a_slot(pool: AdapterPool, tm
 
 
 def test_a_version_notes_when_its_load_ended(tmp_path: Path) -> None:
-    """Its load's duration (what a bench reports for loads alone) is measured from the pool's own clock."""
+    """Its load's duration (what a bench reports for loads alone) is measured from the pool's own clock; a
+    reload clears the time of the load before."""
     stacks = LoRAStacks(TINY, slots=1, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
     loader = ManualLoader(torch.float32, stacks.layout)
     pool = AdapterPool(TINY, stacks, torch.float32, 8, loader=loader)
@@ -66,6 +67,10 @@ def test_a_version_notes_when_its_load_ended(tmp_path: Path) -> None:
         loader.finish_all(random.Random(0))
         pool.wait_loaded(version, timeout=10)
         assert version.settled_at is not None and version.settled_at - registered >= 0.01
+        with pool._lock:
+            pool._discard_weights(version)  # the host tier dropped it
+        pool.ready(version)  # a request wants it again: a second load runs
+        assert version.loading is not None and version.settled_at is None  # not the first load's end
     finally:
         pool.close()
 

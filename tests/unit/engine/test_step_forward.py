@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import cast
 
+import pytest
 import torch
 
 from engine import cuda_graphs
@@ -18,6 +19,7 @@ from engine.sampling import SamplingParams
 from engine.sequence import SeqStatus, Sequence
 from engine.step_forward import InFlight, StepForward, TokenReadback
 from engine.tokenizer import IncrementalDecoder
+from tests.unit.engine.conftest import HostStream
 from tests.unit.engine.test_graph_host import ARCH, CPU, _model, _stacks
 
 
@@ -201,17 +203,18 @@ def test_short_prompts_joining_decoding_rows_run_as_rows_of_the_decode_graph(rep
 
 def test_short_prompts_arriving_together_run_as_rows_of_decode_graphs_of_their_own(replays: list[object]) -> None:
     """Two or more short prompts that no decode row took run together as the rows of decode graphs, as many
-    prompts as each graph's rows hold, instead of one prefill (or eager pass) each; their logits and KV rows are
-    the eager model's. With a row decoding, the prompts that fit join its graph first."""
+    prompts as each graph's rows hold, instead of one prefill (or eager pass) each; one left over alone goes
+    the way of a lone prompt. Their logits and KV rows are the eager model's. With a row decoding, the prompts
+    that fit join its graph first."""
     graphed_kv, eager_kv = _caches()
     forward = _graphed(graphed_kv, fold_prompt_tokens=5)  # graphs of up to 9 rows
     a, c, d = _seq("a", [5, 6, 7], 0, 0), _seq("c", [4, 4, 2, 7], 1, 1), _seq("d", [3, 1, 4, 1, 5], 2, -1)
 
     order, logits = forward.logits([a, c, d], {a: 3, c: 4, d: 5}, None)  # nothing decodes beside them
 
-    assert order == [a, c, d] and forward.eager_runs == 0
-    assert replays == [cuda_graphs.GraphKey(8, 256, True, False), cuda_graphs.GraphKey(8, 256, False, False)]
-    assert forward.grouped_prompts == 3 and forward.folded_rows == 0  # a and c (7 rows), then d (5)
+    assert order == [a, c, d] and forward.eager_runs == 1  # (this forward has no prefill graphs for d)
+    assert replays == [cuda_graphs.GraphKey(8, 256, True, False)]
+    assert forward.grouped_prompts == 2 and forward.folded_rows == 0  # a and c (7 rows); d's 5 no longer fit
     want = _eager(eager_kv, [(a, a.prompt_ids, 0), (c, c.prompt_ids, 0), (d, d.prompt_ids, 0)])
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
 
@@ -221,8 +224,8 @@ def test_short_prompts_arriving_together_run_as_rows_of_decode_graphs_of_their_o
     order, logits = forward.logits([c, e, f, g], {e: 5, f: 4, g: 4}, None)
 
     # e joins c's graph (6 of its 9 rows); f and g no longer fit there, and run together in a graph of their own
-    assert order == [c, e, f, g] and len(replays) == replayed + 2 and forward.eager_runs == 0
-    assert (forward.folded_rows, forward.grouped_prompts) == (5, 5)
+    assert order == [c, e, f, g] and len(replays) == replayed + 2 and forward.eager_runs == 1
+    assert (forward.folded_rows, forward.grouped_prompts) == (5, 4)
     want = _eager(eager_kv, [(c, [8], 4), (e, e.prompt_ids, 0), (f, f.prompt_ids, 0), (g, g.prompt_ids, 0)])
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
     # The KV rows hold the grouped prompts as whole prefills write them: their next decode step agrees.
@@ -230,6 +233,76 @@ def test_short_prompts_arriving_together_run_as_rows_of_decode_graphs_of_their_o
         seq.output_ids, seq.status = [token], SeqStatus.RUNNING
     order, logits = forward.logits([f, g], {}, None)
     torch.testing.assert_close(logits, _eager(eager_kv, [(f, [5], 4), (g, [6], 4)]), rtol=1e-4, atol=1e-4)
+
+
+class _PendingFill:
+    """Stands in for `LoRAStacks._ready[slot]`: a fill of the slot still running on the copy stream."""
+
+    device = None
+
+    def __repr__(self) -> str:
+        return "fill"
+
+
+def _with_prefill_graphs(kv: KVCache, stream: HostStream, fold_prompt_tokens: int) -> StepForward:
+    stacks = _stacks(fused=True)
+    config = EngineConfig(fold_prompt_tokens=fold_prompt_tokens, graph_prompt_rows=0)
+    graphs = cuda_graphs.DecodeGraphs(_model(), kv, stacks, cuda_graphs.decode_graph_rows(kv.total, config), None)
+    graphs.capture_all()
+    prefill = cuda_graphs.PrefillGraphs(_model(), kv, stacks, None)
+    prefill.capture_all()
+    return StepForward(_model(), kv, stacks, CPU, graphs, prefill, stream, fold_prompt_tokens)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("group_prompts", [False, True])
+def test_every_stream_that_reads_a_slot_waits_for_its_fill_first(
+    group_prompts: bool, replays: list[object], prefill_stream: HostStream
+) -> None:
+    """Slot 0's fill is still running; nothing decodes; two short prompts (a group, or eager) and one for a
+    prefill graph, all on slot 0. The main stream takes the wait before the prefill stream waits for it: a
+    prefill graph that took the wait on its own stream left the group's replay on the main stream unordered
+    with the fill (the wait is taken once)."""
+    kv, _ = _caches()
+    forward = _with_prefill_graphs(kv, prefill_stream, fold_prompt_tokens=5)
+    forward.group_prompts = group_prompts
+    a, c = _seq("a", [5, 6, 7], 0, 0), _seq("c", [4, 4, 2, 7], 1, 0)
+    p = _seq("p", [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], 2, 0)  # past fold_prompt_tokens: its prefill graph
+    del replays[:]
+    forward.stacks._ready[0] = _PendingFill()  # type: ignore[assignment]
+    forward.logits([a, c, p], {a: 3, c: 4, p: 10}, None)
+    stream, waited = "main", {"main": False, "prefill": False}
+    for entry in replays:
+        if entry in ("on prefill", "off prefill"):
+            stream = "prefill" if entry == "on prefill" else "main"
+        elif entry == f"{stream} waits fill":
+            waited[stream] = True
+        elif entry == "prefill waits main":
+            waited["prefill"] |= waited["main"]
+        elif entry == "main waits prefill":
+            waited["main"] |= waited["prefill"]
+        elif isinstance(entry, (tuple, cuda_graphs.GraphKey)):  # a replay reading slot 0
+            assert waited[stream], f"{entry} replayed on {stream} before it waited for slot 0's fill: {replays}"
+    assert any(isinstance(entry, cuda_graphs.GraphKey) for entry in replays) == group_prompts
+
+
+def test_a_step_whose_forward_fails_still_marks_the_slots_its_queued_work_reads(replays: list[object]) -> None:
+    """Graph replays were queued (reading slot 0) when the step's eager part raised: the slot's next fill must
+    still wait for them (`LoRAStacks.mark_read`), or it could rewrite the slot under kernels still to run."""
+    kv, _ = _caches()
+    forward = _graphed(kv, fold_prompt_tokens=5)
+    marked: list[set[int]] = []
+    forward.stacks.mark_read = lambda slots: marked.append(set(slots))  # type: ignore[method-assign]
+
+    def fail(*args: object) -> torch.Tensor:
+        raise RuntimeError("the eager part failed")
+
+    forward._forward_eager = fail  # type: ignore[method-assign]
+    a, c = _seq("a", [5, 6, 7], 0, 0), _seq("c", [4, 4, 2, 7], 1, 0)
+    e = _seq("e", [1] * 20, 2, 1)  # past fold_prompt_tokens, and no prefill graphs here: eager
+    with pytest.raises(RuntimeError):
+        forward.logits([a, c, e], {a: 3, c: 4, e: 20}, None)
+    assert any(isinstance(key, cuda_graphs.GraphKey) for key in replays), "the group's replay was queued"
+    assert marked == [{0, 1}]
 
 
 def test_token_readback_never_hands_out_the_buffer_of_the_step_before() -> None:
