@@ -570,7 +570,7 @@ def section_served_loads(
     eng.start()
     warm_names = [f"sw{i}" for i in range(12)]
     modes = [(p, f) for p in (pacer_modes if eng.pacer is not None else (False,)) for f in fill_modes]
-    paths = b.adapters(eng, "s", 12 + 24 * rounds * len(modes))
+    paths = b.adapters(eng, "s", 12 + 24 * rounds * len(modes)) if rounds else []  # (0 rounds: bursts only)
     for name, path in zip(warm_names, paths, strict=False):
         eng.load_adapter(name, str(path), wait=True)
     fresh = iter(paths[12:])  # (each adapter loads from disk once)
@@ -679,10 +679,12 @@ def section_served_loads(
             "fills ahead": eng.pool.fills_ahead,
         }
 
-    def burst(on: bool, tag: str) -> list[float]:
-        """First-token times of `b.running` requests sent together to the idle engine, with the forward's
-        prompt groups on or off (a prefill graph each)."""
-        eng.forward.group_prompts = on
+    def burst(way: str, tag: str) -> list[float]:
+        """First-token times of `b.running` requests sent together to the idle engine, their prompts run as
+        `way`: "one pass" (prompt groups, more rows than a graph holds in one eager pass), "graphs" (prompt
+        groups, a decode graph replay per group) or "prefill graphs" (one each)."""
+        forward = eng.forward
+        forward.group_prompts, forward.one_pass_for_groups = way != "prefill graphs", way == "one pass"
         firsts: list[float] = []
         ended = threading.Semaphore(0)
 
@@ -700,7 +702,7 @@ def section_served_loads(
             gate.wait(timeout=60)
 
         eng._commands.put(hold)
-        grouped = eng.forward.grouped_prompts
+        grouped, passes = forward.grouped_prompts, forward.group_passes
         sent = time.perf_counter()
         for i in range(b.running):
             eng.add_request(f"sb{tag}{i}", prompt, SamplingParams(max_tokens=2, ignore_eos=True), None, sink)
@@ -708,24 +710,34 @@ def section_served_loads(
         for _ in range(b.running):
             if not ended.acquire(timeout=60):
                 raise AssertionError("(s) a request of a burst did not end within 60 s")
-        if on and eng.forward.graphs is not None and eng.forward.grouped_prompts - grouped < b.running - 1:
-            raise AssertionError(f"(s) a burst ran {eng.forward.grouped_prompts - grouped} prompts grouped")
-        eng.forward.group_prompts = True
+        if forward.graphs is not None and forward.group_prompts:
+            if forward.grouped_prompts - grouped < b.running - 1:
+                raise AssertionError(f"(s) a burst ran {forward.grouped_prompts - grouped} prompts grouped ({way})")
+            if (forward.group_passes - passes > 0) != (way == "one pass"):
+                raise AssertionError(f"(s) a burst ran {forward.group_passes - passes} eager group passes ({way})")
+        forward.group_prompts, forward.one_pass_for_groups = True, True
         return firsts
 
-    bursts: dict[bool, list[list[float]]] = {True: [], False: []}
+    ways = ("one pass", "graphs", "prefill graphs")
+    bursts: dict[str, list[list[float]]] = {way: [] for way in ways}
     for r in range(6):
-        for grouped in (r % 2 == 0, r % 2 == 1):  # each first as often
-            bursts[grouped].append(burst(grouped, f"{r}{grouped:d}"))
+        for i in range(len(ways)):  # each first as often
+            way = ways[(r + i) % len(ways)]
+            bursts[way].append(burst(way, f"{r}{i}"))
     if eng.forward.graphs is not None:
-        on, off = ([p50(b_) for b_ in bursts[g]] for g in (True, False))
-        last_on, last_off = ([max(b_) for b_ in bursts[g]] for g in (True, False))
+        first = {way: p50([p50(one) for one in bursts[way]]) for way in ways}
+        last = {way: p50([max(one) for one in bursts[way]]) for way in ways}
+        base = "prefill graphs"
         report_loader(
-            f"(s) {b.running} requests sent together to the idle engine, prompt groups on / off (a prefill graph "
-            f"each), p50 of 6 bursts: first token p50 {p50(on) * 1e3:.1f} / {p50(off) * 1e3:.1f} ms "
-            f"({p50(on) / p50(off):.3f}x), the burst's last {p50(last_on) * 1e3:.1f} / {p50(last_off) * 1e3:.1f} ms "
-            f"({p50(last_on) / p50(last_off):.3f}x)"
+            f"(s) {b.running} requests sent together to the idle engine, p50 of 6 bursts each, first token p50 "
+            f"(the burst's last): "
+            + "; ".join(
+                f"{way} {first[way] * 1e3:.1f} ms ({last[way] * 1e3:.1f}), {first[way] / first[base]:.3f}x {base}"
+                for way in ways
+            )
         )
+    if not rounds:
+        return
 
     def use(mode: tuple[bool, bool]) -> None:
         paced, beside = mode
@@ -1284,7 +1296,9 @@ def main() -> None:
         help="(p): turns of each mode, steady and arriving (tokens within max_model_len)",
     )
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
-    ap.add_argument("--served-rounds", type=int, default=3, help="(s): rounds of its four phases, per pair of modes")
+    ap.add_argument(
+        "--served-rounds", type=int, default=3, help="(s): rounds of its four phases, per pair of modes (0: bursts only)"
+    )
     ap.add_argument(
         "--fills-beside-steps",
         default="on",

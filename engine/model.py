@@ -412,6 +412,16 @@ class DecoderModel(nn.Module):
         return self._logits(self._layers(input_ids, view.positions, [], kv, lora, view), out)
 
     @torch.inference_mode()
+    def rows(
+        self, input_ids: torch.Tensor, view: DecodeView, kv: KVCache, lora: LoRABatch | None, keep: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits [len(keep), vocab] of the rows `keep` of a pass over rows as `decode` takes them (each at its
+        position in its KV row, attending up to it), run eagerly: the prompt chunks of many sequences in one
+        pass, more rows than a decode graph holds (`StepForward`'s prompt groups)."""
+        x = self._layers(input_ids, view.positions, [], kv, lora, view)
+        return self._logits(x.index_select(0, keep))
+
+    @torch.inference_mode()
     def prefill(
         self, input_ids: torch.Tensor, positions: torch.Tensor, view: PrefillView, kv: KVCache, lora: LoRABatch | None
     ) -> torch.Tensor:

@@ -25,7 +25,7 @@ from engine.kv_cache import KVCache
 from engine.logprobs import StepLogprobs
 from engine.lora import LoRAStacks
 from engine.lora_batch import LoRABatch
-from engine.model import DecoderModel, SeqSlice
+from engine.model import DecoderModel, DecodeView, SeqSlice
 from engine.prompt_logprobs import PromptRows
 from engine.sequence import Sequence
 from engine.uploads import upload
@@ -158,6 +158,10 @@ class StepForward:
         self.eager_runs = 0  # forward passes run eagerly, no captured graph holding their rows (benchmarks)
         self.grouped_prompts = 0  # prompt chunks run together as the rows of decode graphs of their own
         self.group_prompts = True  # (`_prompt_groups`; benchmarks compare with prefill graphs one prompt each)
+        # Prompt groups of more than one graph's rows run as one eager pass over all their rows, which reads the
+        # model once for all of them (benchmarks compare with a graph replay per group).
+        self.one_pass_for_groups = True
+        self.group_passes = 0  # those eager passes (tests, benchmarks)
         # The last step's rows that predict prompt tokens of the requests asking for prompt log-probabilities.
         self.prompt_rows: list[PromptRows] = []
         self.readback = TokenReadback(kv.total, device)  # where async steps' tokens come back to the host
@@ -272,6 +276,17 @@ class StepForward:
                 eager = [s for s in eager if s in prefills and s not in folded]
             if groups and parts:  # the replays below rewrite the graphs' shared output, which `logits` may view
                 parts = [parts[0].clone()]
+            if len(groups) > 1 and self.one_pass_for_groups:
+                # More rows than a graph holds: one eager pass over them all, where each graph replay read the
+                # whole model for its own rows (a burst of 64 prompts of 37 tokens: 21 replays of 3 prompts).
+                members = [s for group in groups for s in group]
+                done = [s for s in members if s.prefill_done]
+                if done:
+                    parts.append(self._group_pass(members, prefills))
+                    order = order + done
+                eager = [s for s in eager if s not in members]
+                self.grouped_prompts += len(members)
+                groups = []
             for group in groups:
                 logits = self._decode_graphed([], None, group, prefills)
                 if logits is None:  # (no bucket holds it: its prompts stay eager)
@@ -339,6 +354,29 @@ class StepForward:
                 folded.append(seq)
                 room -= prefills[seq]
         return folded
+
+    def _group_pass(self, seqs: list[Sequence], prefills: dict[Sequence, int]) -> torch.Tensor:
+        """Logits of the last row of each of `seqs`' prompt chunks that ends its prompt, from one eager pass over
+        all of the chunks' rows as decode rows (`DecoderModel.rows`)."""
+        self.group_passes += 1
+        ids: list[int] = []
+        positions: list[int] = []
+        kv_slots: list[int] = []
+        token_slots: list[int] = []
+        ends: list[int] = []
+        for seq in seqs:
+            past, end = seq.prefilled - prefills[seq], seq.prefilled
+            ids += seq.prompt_ids[past:end]
+            positions += range(past, end)
+            kv_slots += [seq.kv_slot] * (end - past)
+            token_slots += [seq.lora_slot] * (end - past)
+            if seq.prefill_done:
+                ends.append(len(ids) - 1)
+        dev = self.device
+        inputs = upload(ids + positions + kv_slots, torch.long, dev).view(3, len(ids))  # one upload
+        view = DecodeView.of_buffers(inputs[2], inputs[1], max(positions) + 1)
+        lora = LoRABatch.build(self.stacks, token_slots, dev)
+        return self.model.rows(inputs[0], view, self.kv, lora, upload(ends, torch.long, dev))
 
     def _prompt_groups(self, chunks: list[Sequence], prefills: dict[Sequence, int]) -> list[list[Sequence]]:
         """Prompt chunks of this step that no decode row took (`_foldable`), packed into the rows of decode

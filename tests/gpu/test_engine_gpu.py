@@ -328,16 +328,25 @@ def test_short_prompts_joining_as_decode_rows_match_eager(
         folding.stop()
 
 
-def test_prompts_arriving_together_run_grouped_and_match_eager(engines: tuple[LLMEngine, LLMEngine]) -> None:
-    """Eight short prompts started together, on adapters and none: the rows of decode graphs of their own (one
-    model read for several prompts) instead of eight prefill graphs, with the eager engine's tokens."""
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_prompts_arriving_together_run_grouped_and_match_eager(
+    engines: tuple[LLMEngine, LLMEngine], one_pass: bool
+) -> None:
+    """Eight short prompts started together, on adapters and none, fill two decode graphs' rows: one eager pass
+    over all of their rows, or a decode graph replay per group (one model read for several prompts either way),
+    instead of eight prefill graphs, with the eager engine's tokens."""
     eager, graphed = engines
     prompts = [p[:16] for p in _prompts(eager, 8)]  # 9 and 16 tokens: two groups (57 and 64 of 72 rows)
     names: list[str | None] = [None, "r16", "r8-qv", "r16", None, "r4-mlp", "r16", None]
     requests = list(zip(prompts, names, strict=True))
-    grouped, replays = graphed.forward.grouped_prompts, graphed.prefill_graphs.replays  # type: ignore[union-attr]
-    assert _generate(graphed, requests, 12) == _generate(eager, requests, 12)
-    assert graphed.forward.grouped_prompts - grouped == 8
+    forward = graphed.forward
+    grouped, passes, replays = forward.grouped_prompts, forward.group_passes, graphed.prefill_graphs.replays  # type: ignore[union-attr]
+    forward.one_pass_for_groups = one_pass
+    try:
+        assert _generate(graphed, requests, 12) == _generate(eager, requests, 12)
+    finally:
+        forward.one_pass_for_groups = True
+    assert forward.grouped_prompts - grouped == 8 and forward.group_passes - passes == int(one_pass)
     assert graphed.prefill_graphs.replays == replays  # type: ignore[union-attr]
 
 

@@ -235,6 +235,31 @@ def test_short_prompts_arriving_together_run_as_rows_of_decode_graphs_of_their_o
     torch.testing.assert_close(logits, _eager(eager_kv, [(f, [5], 4), (g, [6], 4)]), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_prompt_groups_of_more_rows_than_a_graph_holds_run_in_one_eager_pass(
+    one_pass: bool, replays: list[object]
+) -> None:
+    """Four short prompts that fill two graphs' rows: one eager pass over all of their rows (one model read),
+    or a graph replay per group, with the eager model's logits and KV rows either way."""
+    graphed_kv, eager_kv = _caches()
+    forward = _graphed(graphed_kv, fold_prompt_tokens=5)  # graphs of up to 9 rows
+    forward.one_pass_for_groups = one_pass
+    prompts = ([5, 6, 7], [4, 4, 2, 7], [3, 1, 4], [9, 2, 6, 5])
+    seqs = [_seq(f"p{i}", prompt, i, (-1, 0, 1, 0)[i]) for i, prompt in enumerate(prompts)]
+
+    order, logits = forward.logits(seqs, {s: len(s.prompt_ids) for s in seqs}, None)
+
+    assert order == seqs and forward.grouped_prompts == 4 and forward.eager_runs == 0
+    assert (forward.group_passes, len(replays)) == ((1, 0) if one_pass else (0, 2))
+    want = _eager(eager_kv, [(s, s.prompt_ids, 0) for s in seqs])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    for i, seq in enumerate(seqs):  # the KV rows hold each prompt as a whole prefill writes it
+        seq.output_ids, seq.status = [10 + i], SeqStatus.RUNNING
+    order, logits = forward.logits(seqs, {}, None)
+    want = _eager(eager_kv, [(s, [10 + i], len(s.prompt_ids)) for i, s in enumerate(seqs)])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+
+
 class _PendingFill:
     """Stands in for `LoRAStacks._ready[slot]`: a fill of the slot still running on the copy stream."""
 
