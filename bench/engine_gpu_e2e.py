@@ -1297,7 +1297,10 @@ def main() -> None:
     )
     ap.add_argument("--trace", action="store_true", help="print the slowest steps' phases (diagnostics)")
     ap.add_argument(
-        "--served-rounds", type=int, default=3, help="(s): rounds of its four phases, per pair of modes (0: bursts only)"
+        "--served-rounds",
+        type=int,
+        default=3,
+        help="(s): rounds of its four phases, per pair of modes (0: its bursts only)",
     )
     ap.add_argument(
         "--fills-beside-steps",
