@@ -95,8 +95,9 @@ class EngineConfig:
     # adapters, and the joiners' TTFT 0.71-0.76x. (On a SmolLM2-sized model, whose steps are launch-bound, it
     # cost a batch of adapters 1.06-1.29x against 0.98-1.00x: stop 23.) Two or more prompts (or chunks) of up
     # to this many tokens that no decode row takes (a burst of requests; joins beyond the graph's rows) run
-    # together as the rows of decode graphs of their own, one model read for them all, where prefill graphs
-    # read the model once per prompt (engine/step_forward.py, `_prompt_groups`).
+    # together as the rows of a decode graph of their own, or, beyond one graph's rows, of one eager pass: one
+    # model read for them all, where prefill graphs read the model once per prompt (engine/step_forward.py,
+    # `_prompt_groups`; 64 prompts sent together: 0.184x, one H100, bench/RESULTS-gpu.md, stop 40).
     fold_prompt_tokens: int = 64
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
     # CUDA: the process's GIL switch interval while the engine serves (engine/interpreter.py); 0 keeps Python's
