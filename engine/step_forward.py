@@ -380,11 +380,12 @@ class StepForward:
 
     def _prompt_groups(self, chunks: list[Sequence], prefills: dict[Sequence, int]) -> list[list[Sequence]]:
         """Prompt chunks of this step that no decode row took (`_foldable`), packed into the rows of decode
-        graphs of their own, where at least two are up to `fold_prompt_tokens` long: each replay reads the
-        weights once for all of its prompts, where a prefill graph reads them once per prompt. 64 requests
-        arriving together otherwise replayed 64 prefill graphs in one step (180 ms at Llama-7B dims, 16
-        layers, on an H100: bench/RESULTS-gpu.md, stop 40), and joins that came together lengthened the step
-        of the requests decoding beside them by one whole-model read each. A chunk past its prompt's start
+        graphs of their own (groups of two or more), where at least two are up to `fold_prompt_tokens` long:
+        each replay reads the weights once for all of its prompts, where a prefill graph reads them once per
+        prompt (several groups run as one eager pass instead: `_group_pass`). 64 requests arriving together
+        otherwise replayed 64 prefill graphs in one step (207 ms at Llama-7B dims, 16 layers, on an H100;
+        grouped, 38 ms: bench/RESULTS-gpu.md, stop 40), and joins that came together lengthened the step of
+        the requests decoding beside them by one whole-model read each. A chunk past its prompt's start
         attends to the keys before it in its KV row, as a folded one does; one asking for prompt
         log-probabilities stays out (a graph keeps only a chunk's last row)."""
         assert self.graphs is not None
