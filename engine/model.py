@@ -355,6 +355,11 @@ class DecoderModel(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    @property
+    def triton_attention(self) -> bool:
+        """Whether the layers attend with the triton kernels (`use_triton_attention`)."""
+        return any(cast(DecoderLayer, layer).triton_attention for layer in self.layers)
+
     def use_triton_attention(self, enabled: bool) -> None:
         """Run rotary and cache writes (decode steps and prefills) and decode attention in triton
         (`engine.kernels_attention`; CUDA only), or in torch: SDPA over each sequence's keys gathered up to

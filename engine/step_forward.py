@@ -233,10 +233,9 @@ class StepForward:
         # Chosen first: a whole prompt that runs as decode rows replays no prefill graph.
         chunks = [s for s in running if s in prefills]
         folded = self._foldable(decoding, chunks, prefills) if self.graphs is not None else []
-        groups = (
-            self._prompt_groups([s for s in chunks if s not in folded], prefills) if self.graphs is not None else []
-        )
-        grouped = {s for group in groups for s in group}
+        unfolded = [s for s in chunks if s not in folded]
+        one_pass, groups = self._prompt_groups(unfolded, prefills) if self.graphs is not None else ([], [])
+        grouped = {s for group in [one_pass, *groups] for s in group}
         # A prefill graph yields the last position's logits only: prompts that want them all run eagerly.
         whole = [
             s
@@ -276,17 +275,17 @@ class StepForward:
                 eager = [s for s in eager if s in prefills and s not in folded]
             if groups and parts:  # the replays below rewrite the graphs' shared output, which `logits` may view
                 parts = [parts[0].clone()]
-            if len(groups) > 1 and self.one_pass_for_groups:
+            if one_pass:
                 # More rows than a graph holds: one eager pass over them all, where each graph replay read the
                 # whole model for its own rows (a burst of 64 prompts of 37 tokens: 21 replays of 3 prompts).
-                members = [s for group in groups for s in group]
-                done = [s for s in members if s.prefill_done]
+                # It runs when no chunk ends its prompt too: it writes their keys.
+                logits = self._group_pass(one_pass, prefills)
+                done = [s for s in one_pass if s.prefill_done]
                 if done:
-                    parts.append(self._group_pass(members, prefills))
+                    parts.append(logits)
                     order = order + done
-                eager = [s for s in eager if s not in members]
-                self.grouped_prompts += len(members)
-                groups = []
+                eager = [s for s in eager if s not in one_pass]
+                self.grouped_prompts += len(one_pass)
             for group in groups:
                 logits = self._decode_graphed([], None, group, prefills)
                 if logits is None:  # (no bucket holds it: its prompts stay eager)
@@ -378,11 +377,15 @@ class StepForward:
         lora = LoRABatch.build(self.stacks, token_slots, dev)
         return self.model.rows(inputs[0], view, self.kv, lora, upload(ends, torch.long, dev))
 
-    def _prompt_groups(self, chunks: list[Sequence], prefills: dict[Sequence, int]) -> list[list[Sequence]]:
+    def _prompt_groups(
+        self, chunks: list[Sequence], prefills: dict[Sequence, int]
+    ) -> tuple[list[Sequence], list[list[Sequence]]]:
         """Prompt chunks of this step that no decode row took (`_foldable`), packed into the rows of decode
         graphs of their own (groups of two or more), where at least two are up to `fold_prompt_tokens` long:
         each replay reads the weights once for all of its prompts, where a prefill graph reads them once per
-        prompt (several groups run as one eager pass instead: `_group_pass`). 64 requests arriving together
+        prompt. More rows than one graph holds run together as one eager pass instead (`_group_pass`; the
+        first list returned), where decode rows attend to keys in place (triton attention: the torch path
+        gathers each row's keys, rows x context). 64 requests arriving together
         otherwise replayed 64 prefill graphs in one step (207 ms at Llama-7B dims, 16 layers, on an H100;
         grouped, 38 ms: bench/RESULTS-gpu.md, stop 40), and joins that came together lengthened the step of
         the requests decoding beside them by one whole-model read each. A chunk past its prompt's start
@@ -391,8 +394,11 @@ class StepForward:
         assert self.graphs is not None
         fits = [s for s in chunks if prefills[s] <= self.fold_prompt_tokens and not s.wants_prompt_logprobs]
         if len(fits) < 2 or not self.group_prompts:
-            return []
+            return [], []
         room = self.graphs.batches[-1]
+        in_place = self.device.type != "cuda" or self.model.triton_attention
+        if self.one_pass_for_groups and in_place and sum(prefills[s] for s in fits) > room:
+            return fits, []
         groups: list[list[Sequence]] = [[]]
         used = 0
         for seq in fits:
@@ -402,7 +408,7 @@ class StepForward:
             groups[-1].append(seq)
             used += prefills[seq]
         # One prompt left over replays its prefill graph, beside the decode graph, as any lone prompt does.
-        return [group for group in groups if len(group) > 1]
+        return [], [group for group in groups if len(group) > 1]
 
     def _decode_graphed(
         self,

@@ -208,6 +208,7 @@ def test_short_prompts_arriving_together_run_as_rows_of_decode_graphs_of_their_o
     that fit join its graph first."""
     graphed_kv, eager_kv = _caches()
     forward = _graphed(graphed_kv, fold_prompt_tokens=5)  # graphs of up to 9 rows
+    forward.one_pass_for_groups = False  # (their 12 rows would run in one eager pass: the test below)
     a, c, d = _seq("a", [5, 6, 7], 0, 0), _seq("c", [4, 4, 2, 7], 1, 1), _seq("d", [3, 1, 4, 1, 5], 2, -1)
 
     order, logits = forward.logits([a, c, d], {a: 3, c: 4, d: 5}, None)  # nothing decodes beside them
@@ -257,6 +258,30 @@ def test_prompt_groups_of_more_rows_than_a_graph_holds_run_in_one_eager_pass(
         seq.output_ids, seq.status = [10 + i], SeqStatus.RUNNING
     order, logits = forward.logits(seqs, {}, None)
     want = _eager(eager_kv, [(s, [10 + i], len(s.prompt_ids)) for i, s in enumerate(seqs)])
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_grouped_chunks_short_of_their_prompts_end_still_write_their_keys(
+    one_pass: bool, replays: list[object]
+) -> None:
+    """Four prompts prefilled in two chunks each, grouped both times: the first chunks end no prompt (no logits
+    to keep), and still write their keys, which the second chunks attend to."""
+    graphed_kv, eager_kv = _caches()
+    forward = _graphed(graphed_kv, fold_prompt_tokens=5)  # graphs of up to 9 rows: the 16 rows do not fit one
+    forward.one_pass_for_groups = one_pass
+    prompts = ([5, 6, 7, 8, 1, 2, 3, 4], [4, 4, 2, 7, 1, 1, 2, 3], [3, 1, 4, 1, 5, 9, 2, 6], [9, 2, 6, 5, 3, 5, 8, 9])
+    seqs = [_seq(f"p{i}", prompt, i, (-1, 0, 1, 0)[i]) for i, prompt in enumerate(prompts)]
+    for seq in seqs:
+        seq.prefilled = 4
+    order, _ = forward.logits(seqs, {s: 4 for s in seqs}, None)
+    assert order == [] and forward.grouped_prompts == 4
+    for seq in seqs:
+        seq.prefilled = 8
+    order, logits = forward.logits(seqs, {s: 4 for s in seqs}, None)
+    # (the second chunks continue their prompts: two fold into a decode graph, two make a group of one graph)
+    assert order == seqs and forward.group_passes == (1 if one_pass else 0)
+    want = _eager(eager_kv, [(s, s.prompt_ids, 0) for s in seqs])
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
 
 
