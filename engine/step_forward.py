@@ -380,17 +380,17 @@ class StepForward:
     def _prompt_groups(
         self, chunks: list[Sequence], prefills: dict[Sequence, int]
     ) -> tuple[list[Sequence], list[list[Sequence]]]:
-        """Prompt chunks of this step that no decode row took (`_foldable`), packed into the rows of decode
-        graphs of their own (groups of two or more), where at least two are up to `fold_prompt_tokens` long:
-        each replay reads the weights once for all of its prompts, where a prefill graph reads them once per
-        prompt. More rows than one graph holds run together as one eager pass instead (`_group_pass`; the
-        first list returned), where decode rows attend to keys in place (triton attention: the torch path
-        gathers each row's keys, rows x context). 64 requests arriving together
-        otherwise replayed 64 prefill graphs in one step (207 ms at Llama-7B dims, 16 layers, on an H100;
-        grouped, 38 ms: bench/RESULTS-gpu.md, stop 40), and joins that came together lengthened the step of
-        the requests decoding beside them by one whole-model read each. A chunk past its prompt's start
-        attends to the keys before it in its KV row, as a folded one does; one asking for prompt
-        log-probabilities stays out (a graph keeps only a chunk's last row)."""
+        """The prompt chunks of this step that no decode row took (`_foldable`) and that run together, where at
+        least two are up to `fold_prompt_tokens` long: all of them in one eager pass (`_group_pass`; the first
+        list) where their rows are more than one decode graph holds and rows attend to keys in place (triton
+        attention; the torch path gathers each row's keys, rows x context), else packed into the rows of
+        decode graphs of their own (groups of two or more; the second list). Either reads the weights once for
+        many prompts, where a prefill graph reads them once per prompt: 64 requests arriving together replayed
+        64 prefill graphs in one step (207 ms at Llama-7B dims, 16 layers, on an H100; 38 ms in one pass:
+        bench/RESULTS-gpu.md, stop 40), and joins that came together lengthened the step of the requests
+        decoding beside them by one whole-model read each. A chunk past its prompt's start attends to the keys
+        before it in its KV row, as a folded one does; one asking for prompt log-probabilities stays out (a
+        graph keeps only a chunk's last row)."""
         assert self.graphs is not None
         fits = [s for s in chunks if prefills[s] <= self.fold_prompt_tokens and not s.wants_prompt_logprobs]
         if len(fits) < 2 or not self.group_prompts:
