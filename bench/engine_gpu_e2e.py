@@ -556,11 +556,17 @@ def section_served_loads(
 ) -> None:
     """(s) (d) under the engine's own step loop, as a server runs it: the engine thread steps (with async steps,
     composing each step while the one before runs on the GPU), and everything arrives from this thread, as
-    from a server's handlers. `b.running` base requests of 80 tokens decode in each phase; 12 arrivals come one
-    every 4 steady steps' time: none (steady), requests on warm adapters (warm joins), adapters registered
-    with no request for them (loads alone), or adapters registered and a request for each (cold joins, loading
-    from disk). Each phase starts its running requests afresh, so all meet the same KV lengths, and the phases
-    take turns over `rounds` rounds, each round starting from the next phase. Others' gaps are pooled per phase.
+    from a server's handlers.
+
+    First, bursts: `b.running` requests sent together to the idle engine, their prompts run three ways in turn
+    (one eager pass over all their rows, a decode graph per group, a prefill graph each;
+    `StepForward._prompt_groups`), 6 bursts each way; `rounds` 0 stops there.
+
+    Then the phases: `b.running` base requests of 80 tokens decode in each; 12 arrivals come one every 4 steady
+    steps' time: none (steady), requests on warm adapters (warm joins), adapters registered with no request
+    for them (loads alone), or adapters registered and a request for each (cold joins, loading from disk).
+    Each phase starts its running requests afresh, so all meet the same KV lengths, and the phases take turns
+    over `rounds` rounds, each round starting from the next phase. Others' gaps are pooled per phase.
     `pacer_modes`: all of it with the engine's late composition on (True) and off (False), where the engine has
     it (async steps); `fill_modes`: with slot fills waiting for the slot's last step only (True) or for all the
     work queued before them (False; `LoRAStacks.fill_beside_steps`). Each round runs every pair of modes, in
