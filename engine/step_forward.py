@@ -132,6 +132,31 @@ class StepTrace:
         self._last = now
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkRows:
+    """Prompt chunks as decode rows, one per token at its position in its sequence's KV row (a decode graph's
+    folded or grouped rows, or `DecoderModel.rows`), after `first` rows of something else."""
+
+    ids: list[int]
+    positions: list[int]
+    kv_slots: list[int]
+    lora_slots: list[int]
+    ends: list[int]  # the rows (counted from 0, after the `first`) of the chunks that end their prompts
+
+    @staticmethod
+    def of(seqs: list[Sequence], prefills: dict[Sequence, int], first: int = 0) -> ChunkRows:
+        rows = ChunkRows([], [], [], [], [])
+        for seq in seqs:
+            past, end = seq.prefilled - prefills[seq], seq.prefilled
+            rows.ids.extend(seq.prompt_ids[past:end])
+            rows.positions.extend(range(past, end))
+            rows.kv_slots.extend([seq.kv_slot] * (end - past))
+            rows.lora_slots.extend([seq.lora_slot] * (end - past))
+            if seq.prefill_done:
+                rows.ends.append(first + len(rows.ids) - 1)
+        return rows
+
+
 class StepForward:
     """Runs a step's rows through the model: graphs where one was captured for them, eagerly otherwise.
 
@@ -259,17 +284,13 @@ class StepForward:
                         prefilled.append((seq, logits))
                         eager.remove(seq)
         if self.graphs is not None:
-            logits = self._decode_graphed(decoding, previous, folded, prefills) if decoding or folded else None
+            chunk = ChunkRows.of(folded, prefills, first=len(decoding))
+            logits = self._decode_graphed(decoding, previous, chunk) if decoding or folded else None
             if logits is not None:
-                rows, ends = len(decoding), []
-                for seq in folded:
-                    rows += prefills[seq]
-                    if seq.prefill_done:
-                        ends.append(rows - 1)
                 if folded:
-                    kept = upload(list(range(len(decoding))) + ends, torch.long, logits.device)
+                    kept = upload(list(range(len(decoding))) + chunk.ends, torch.long, logits.device)
                     logits = logits.index_select(0, kept)
-                    self.folded_rows += rows - len(decoding)
+                    self.folded_rows += len(chunk.ids)
                     self.folded_prompts += sum(s.prefilled == prefills[s] for s in folded)
                 order, parts = decoding + [s for s in folded if s.prefill_done], [logits]
                 eager = [s for s in eager if s in prefills and s not in folded]
@@ -287,16 +308,12 @@ class StepForward:
                 eager = [s for s in eager if s not in one_pass]
                 self.grouped_prompts += len(one_pass)
             for group in groups:
-                logits = self._decode_graphed([], None, group, prefills)
+                chunk = ChunkRows.of(group, prefills)
+                logits = self._decode_graphed([], None, chunk)
                 if logits is None:  # (no bucket holds it: its prompts stay eager)
                     continue
-                ends, rows = [], 0
-                for seq in group:
-                    rows += prefills[seq]
-                    if seq.prefill_done:
-                        ends.append(rows - 1)
-                if ends:
-                    parts.append(logits.index_select(0, upload(ends, torch.long, logits.device)))
+                if chunk.ends:
+                    parts.append(logits.index_select(0, upload(chunk.ends, torch.long, logits.device)))
                     order = order + [s for s in group if s.prefill_done]
                 eager = [s for s in eager if s not in group]
                 self.grouped_prompts += len(group)
@@ -358,24 +375,12 @@ class StepForward:
         """Logits of the last row of each of `seqs`' prompt chunks that ends its prompt, from one eager pass over
         all of the chunks' rows as decode rows (`DecoderModel.rows`)."""
         self.group_passes += 1
-        ids: list[int] = []
-        positions: list[int] = []
-        kv_slots: list[int] = []
-        token_slots: list[int] = []
-        ends: list[int] = []
-        for seq in seqs:
-            past, end = seq.prefilled - prefills[seq], seq.prefilled
-            ids += seq.prompt_ids[past:end]
-            positions += range(past, end)
-            kv_slots += [seq.kv_slot] * (end - past)
-            token_slots += [seq.lora_slot] * (end - past)
-            if seq.prefill_done:
-                ends.append(len(ids) - 1)
+        chunk = ChunkRows.of(seqs, prefills)
         dev = self.device
-        inputs = upload(ids + positions + kv_slots, torch.long, dev).view(3, len(ids))  # one upload
-        view = DecodeView.of_buffers(inputs[2], inputs[1], max(positions) + 1)
-        lora = LoRABatch.build(self.stacks, token_slots, dev)
-        return self.model.rows(inputs[0], view, self.kv, lora, upload(ends, torch.long, dev))
+        inputs = upload(chunk.ids + chunk.positions + chunk.kv_slots, torch.long, dev).view(3, len(chunk.ids))
+        view = DecodeView.of_buffers(inputs[2], inputs[1], max(chunk.positions) + 1)
+        lora = LoRABatch.build(self.stacks, chunk.lora_slots, dev)
+        return self.model.rows(inputs[0], view, self.kv, lora, upload(chunk.ends, torch.long, dev))
 
     def _prompt_groups(
         self, chunks: list[Sequence], prefills: dict[Sequence, int]
@@ -410,32 +415,22 @@ class StepForward:
         # One prompt left over replays its prefill graph, beside the decode graph, as any lone prompt does.
         return [], [group for group in groups if len(group) > 1]
 
-    def _decode_graphed(
-        self,
-        seqs: list[Sequence],
-        previous: InFlight | None,
-        folded: list[Sequence],
-        prefills: dict[Sequence, int],
-    ) -> torch.Tensor | None:
-        """Logits of a decode graph's rows: one per sequence of `seqs`, then one per token of each of `folded`'s
-        prompt chunk (`prefills`), or None when no captured graph holds them."""
+    def _decode_graphed(self, seqs: list[Sequence], previous: InFlight | None, chunk: ChunkRows) -> torch.Tensor | None:
+        """Logits of a decode graph's rows: one per sequence of `seqs`, then `chunk`'s prompt rows, or None when no
+        captured graph holds them."""
         assert self.graphs is not None
         input_ids, positions = self._decode_inputs(seqs, previous)
         kv_slots, lora_slots = [s.kv_slot for s in seqs], [s.lora_slot for s in seqs]
-        if folded:
-            chunk_ids: list[int] = []
-            for seq in folded:
-                past, end = seq.prefilled - prefills[seq], seq.prefilled
-                chunk_ids += seq.prompt_ids[past:end]
-                positions = [*positions, *range(past, end)]
-                kv_slots += [seq.kv_slot] * (end - past)
-                lora_slots += [seq.lora_slot] * (end - past)
+        if chunk.ids:
+            positions = [*positions, *chunk.positions]
+            kv_slots += chunk.kv_slots
+            lora_slots += chunk.lora_slots
             if isinstance(input_ids, torch.Tensor):  # the decoding rows' tokens are on the device, in flight
-                ids = upload([0] * len(seqs) + chunk_ids, torch.long, self.device)
+                ids = upload([0] * len(seqs) + chunk.ids, torch.long, self.device)
                 ids[: len(seqs)].copy_(input_ids)
                 input_ids = ids
             else:
-                input_ids = input_ids + chunk_ids
+                input_ids = input_ids + chunk.ids
         return self.graphs.run(input_ids, positions, kv_slots, lora_slots)
 
     def _forward_eager(
