@@ -265,43 +265,60 @@ def section_throughput(b: Bench, engines: dict[str, LLMEngine], prompt: list[int
             report(f"(b) {mode}, {first} / {label}: {ratios}")
 
 
-def section_cold_start(b: Bench, eng: LLMEngine, prompt: list[int]) -> None:
+def section_cold_start(b: Bench, eng: LLMEngine, prompt: list[int], layered: tuple[bool, ...] = (True,)) -> None:
     """(d) TTFT with the adapter warm, in host RAM, on disk.
 
     "Host RAM" adapters are loaded before the timed requests, as a host-tier hit is in service: an adapter
     loaded earlier whose GPU slot went to others. A second host-RAM figure times a request sent the moment
     its adapter's load finished: then the loader's own threads still run their bookkeeping beside the
-    slot fill, on the same GIL."""
-    paths = b.adapters(eng, "c", 16)
+    slot fill, on the same GIL. With several `layered` modes (`LoRAStacks.layered_fills`), the host-RAM cold
+    starts run once per mode, interleaved, each on adapters of its own; the other figures take the first."""
+    modes = len(layered)
+    paths = b.adapters(eng, "c", 11 + 5 * modes)
     eng.load_adapter("warm", str(paths[0]), wait=True)
     ttft(eng, "warmup", prompt, "warm")
-    for i in range(1, 6):
-        eng.load_adapter(f"h{i}", str(paths[i]), wait=True)  # in host memory, not in a slot
+    for m in range(modes):
+        for i in range(1, 6):  # in host memory, not in a slot
+            eng.load_adapter(f"h{m}-{i}", str(paths[10 + 5 * m + i]), wait=True)
     time.sleep(0.2)  # let the loaders' threads go idle
-    warm, host, fresh, disk = [], [], [], []
+    warm, fresh, disk = [], [], []
+    host: list[list[float]] = [[] for _ in layered]
+    fills = [0] * modes
     if TRACE:
         eng.step_trace = []
-    for i in range(1, 6):  # interleaved so drift hits all four alike
+    for i in range(1, 6):  # interleaved so drift hits all alike
         warm_version = eng.pool.lookup("warm")
         assert warm_version is not None and warm_version.state is AdapterState.RESIDENT  # "warm": in a slot
         warm.append(ttft(eng, f"w{i}", prompt, "warm"))
-        version = eng.pool.lookup(f"h{i}")
-        assert version is not None and version.state is AdapterState.HOST  # in host memory, in no slot
-        host.append(ttft(eng, f"hq{i}", prompt, f"h{i}"))
-        eng.load_adapter(f"f{i}", str(paths[5 + i]), wait=True)
+        for m, mode in enumerate(layered):
+            version = eng.pool.lookup(f"h{m}-{i}")
+            assert version is not None and version.state is AdapterState.HOST  # in host memory, in no slot
+            eng.stacks.layered_fills, before = mode, eng.stacks.layered
+            host[m].append(ttft(eng, f"hq{m}-{i}", prompt, f"h{m}-{i}"))
+            fills[m] += eng.stacks.layered - before
+        eng.stacks.layered_fills = layered[0]
+        eng.load_adapter(f"f{i}", str(paths[i]), wait=True)
         fresh.append(ttft(eng, f"fq{i}", prompt, f"f{i}"))
-        eng.load_adapter(f"d{i}", str(paths[10 + i]), wait=False)  # registered, still on disk
+        eng.load_adapter(f"d{i}", str(paths[5 + i]), wait=False)  # registered, still on disk
         disk.append(ttft(eng, f"dq{i}", prompt, f"d{i}"))
     if TRACE:
-        print_trace(eng, "cold-start TTFT (warm, host, host just loaded, disk; 2 steps each)")
+        print_trace(eng, "cold-start TTFT (warm, host per mode, host just loaded, disk; 2 steps each)")
+    host_ms, disk_ms, warm_ms = p50(host[0]) * 1e3, p50(disk) * 1e3, p50(warm) * 1e3
     report_loader(
-        f"(d) cold start TTFT p50: warm {p50(warm) * 1e3:.2f} ms, host RAM {p50(host) * 1e3:.2f} ms "
-        f"({p50(host) / p50(warm):.2f}x warm), disk {p50(disk) * 1e3:.2f} ms (+{(p50(disk) - p50(warm)) * 1e3:.1f} ms)"
+        f"(d) cold start TTFT p50: warm {warm_ms:.2f} ms, host RAM {host_ms:.2f} ms ({host_ms / warm_ms:.2f}x warm), "
+        f"disk {disk_ms:.2f} ms (+{disk_ms - warm_ms:.1f} ms)"
     )
+    for m, mode in enumerate(layered):
+        report_loader(
+            f"(d) host RAM, layered fills {'on' if mode else 'off'}: {p50(host[m]) * 1e3:.2f} ms "
+            f"({p50(host[m]) / p50(warm):.2f}x warm; {fills[m]} of 5 fills layered)"
+        )
+    if modes > 1:
+        report_loader(f"(d) host RAM TTFT, layered fills on / off: {p50(host[0]) / p50(host[1]):.3f}x")
     report_loader(
         f"(d) host RAM, sent as its load finished: {p50(fresh) * 1e3:.2f} ms ({p50(fresh) / p50(warm):.2f}x warm)"
     )
-    version = eng.pool.lookup("h1")
+    version = eng.pool.lookup("h0-1")
     packed = None if version is None or version.weights is None else version.weights.packed
     if packed is not None and torch.cuda.is_available():  # what one host-RAM cold start has to move
         packed.to("cuda", non_blocking=True)
@@ -1314,6 +1331,11 @@ def main() -> None:
         help="(s): slot fills wait for the slot's last step only (on) or all queued work (off), e.g. on,off",
     )
     ap.add_argument(
+        "--layered-fills",
+        default="on,off",
+        help="(d): host-RAM cold starts with slot fills copied layered (on) or whole (off), e.g. on,off",
+    )
+    ap.add_argument(
         "--served-diagnostics",
         action="store_true",
         help="(s): each phase's step counters, slowest gaps, arrivals and first tokens",
@@ -1345,6 +1367,7 @@ def main() -> None:
         ("--load-ahead", args.load_ahead),
         ("--compose-late", args.compose_late),
         ("--fills-beside-steps", args.fills_beside_steps),
+        ("--layered-fills", args.layered_fills),
     ):
         if not set(value.split(",")) <= {"on", "off"}:
             ap.error(f"{flag} takes on and off, comma-separated, got {value!r}")
@@ -1421,7 +1444,7 @@ def main() -> None:
             assert isinstance(device_loader, DeviceLoader)
             device_loader.keep_device_image = False
         if {"d", "t"}.intersection(args.only):
-            section_cold_start(b, eng, prompt)
+            section_cold_start(b, eng, prompt, tuple(m == "on" for m in args.layered_fills.split(",")))
         if "d" in args.only:
             section_others_during_loads(b, eng, prompt)
         elif "j" in args.only:

@@ -447,7 +447,11 @@ class DecoderModel(nn.Module):
         cos = cast(torch.Tensor, self.rope_cos)[positions]
         sin = cast(torch.Tensor, self.rope_sin)[positions]
         pending: torch.Tensor | None = None
-        for layer in self.layers:
+        gates = {} if lora is None else lora.stacks.layer_gates
+        for i, layer in enumerate(self.layers):
+            gate = gates.get(i)
+            if gate is not None:  # a layered fill's chunk starts here (`LoRAStacks.layered_fills`)
+                torch.cuda.current_stream().wait_event(gate)
             x, pending = layer(x, pending, positions, cos, sin, seqs, kv, lora, view)
         return x if pending is None else x + pending
 

@@ -301,6 +301,43 @@ def test_slots_refilled_beside_steps_in_flight_serve_each_adapters_weights(
                 engine.unload_adapter(name)
 
 
+def test_steps_wait_inside_their_graphs_for_each_chunk_of_a_layered_fill(
+    engines: tuple[LLMEngine, LLMEngine], model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Adapters in host RAM, each asked for by a request on an idle engine: their fills are copied layered
+    (`LoRAStacks.layered_fills`) and the step starts at once, its graphs waiting for each chunk's gate. Every
+    other fill is held back behind 20 ms of sleep on the copy stream (layering forced, as the stream is busy):
+    a graph that did not wait for the gates would read the slot before its weights. Every request still gets
+    the eager engine's tokens."""
+    eager, graphed = engines
+    assert len(graphed.stacks.layer_gates) > 1, "a 4-layer model copies in chunks of layers [0, 1) and [1, 4)"
+    arch, _ = load_weights(resolve_model(str(model_dir)))
+    names = [f"lf{i}" for i in range(6)]  # more than the 4 slots: each request takes a slot from an idle one
+    for i, name in enumerate(names):
+        path = write_adapter(tmp_path / name, arch=arch, rank=16, alpha=32, modules=ALL7, seed=300 + i)
+        for engine in engines:
+            engine.load_adapter(name, str(path), wait=True)
+    prompts = _prompts(eager, 6)
+    layered = graphed.stacks.layered
+    try:
+        for i, name in enumerate(names):
+            want = _generate(eager, [(prompts[i], name)], 8)
+            torch.cuda.synchronize()
+            if i % 2:
+                copy_stream = graphed.stacks.copy_stream
+                assert copy_stream is not None
+                with torch.cuda.stream(copy_stream):
+                    torch.cuda._sleep(40_000_000)  # about 20 ms at an H100's clock
+                monkeypatch.setattr(graphed.stacks, "_can_layer", lambda slot, adapter: True)
+            assert _generate(graphed, [(prompts[i], name)], 8) == want, name
+            monkeypatch.undo()
+        assert graphed.stacks.layered - layered == len(names)
+    finally:
+        for engine in engines:
+            for name in names:
+                engine.unload_adapter(name)
+
+
 def test_short_prompts_joining_as_decode_rows_match_eager(
     engines: tuple[LLMEngine, LLMEngine], model_dir: Path, adapter_dirs: dict[str, Path]
 ) -> None:

@@ -52,12 +52,17 @@ class HostStream:
 
     def __init__(self, name: str, log: list[object]) -> None:
         self.name, self.log = name, log
+        self.busy = False  # stands in for work still queued on it (`query`)
 
     def wait_stream(self, other: HostStream) -> None:
         self.log.append(f"{self.name} waits {other.name}")
 
     def wait_event(self, event: object) -> None:
         self.log.append(f"{self.name} waits {event}")
+
+    def query(self) -> bool:
+        """Whether all work issued to it has run."""
+        return not self.busy
 
 
 @pytest.fixture
