@@ -202,7 +202,8 @@ class LayerCopies:
 class ChunkCopies:
     """What a layered fill copies for one chunk of layers (`LoRAStacks._layered_copies`)."""
 
-    ranges: list[tuple[int, int]]  # of the host image, into the same places of the staging buffer
+    ranges: list[tuple[int, int]]  # of the host image, copied into the same places of the staging buffer:
+    staged: list[torch.Tensor]  # those places
     src: list[torch.Tensor]  # staged A and B views of the chunk's layers
     dst: list[torch.Tensor]  # their places in the slot
     padding: list[torch.Tensor]  # the slot's rows past the adapter's rank, of the chunk's layers
@@ -428,11 +429,10 @@ class LoRAStacks:
         if adapter.host_ready is not None:
             torch.cuda.current_stream().wait_event(adapter.host_ready)  # the host image is still being written
         self._write_slot(slot, adapter.rank, adapter.scaling, adapter.modules)
-        source, staging = adapter.packed, self._staging
+        source = adapter.packed
         copies = self._layered_copies(slot, adapter.packed_groups, adapter.rank)
         for gate, chunk in zip(self._gates, copies, strict=True):
-            for start, stop in chunk.ranges:
-                staging[start:stop].copy_(source[start:stop], non_blocking=True)
+            torch._foreach_copy_(chunk.staged, [source[start:stop] for start, stop in chunk.ranges], non_blocking=True)
             if chunk.padding:
                 torch._foreach_zero_(chunk.padding)
             if chunk.dst:
@@ -444,12 +444,14 @@ class LoRAStacks:
         into `slot` and the padding to zero there, of those layers (made once per (slot, groups, rank))."""
         key = (slot, groups, rank)
         if key not in self._chunk_copies:
-            assert self.layout is not None
+            assert self.layout is not None and self._staging is not None
+            staging, layout = self._staging, self.layout
             src = self._staged_views(groups, rank)
             dst, padding = self._slot_views(slot, groups, rank)
             self._chunk_copies[key] = [
                 ChunkCopies(
-                    self.layout.layer_ranges(groups, rank, chunk),
+                    layout.layer_ranges(groups, rank, chunk),
+                    [staging[start:stop] for start, stop in layout.layer_ranges(groups, rank, chunk)],
                     [t[chunk.start : chunk.stop] for t in src],
                     [t[chunk.start : chunk.stop] for t in dst],
                     [t[chunk.start : chunk.stop] for t in padding],
