@@ -265,6 +265,29 @@ def section_throughput(b: Bench, engines: dict[str, LLMEngine], prompt: list[int
             report(f"(b) {mode}, {first} / {label}: {ratios}")
 
 
+STEADY: dict[str, float] = {}  # engine's layered_fills -> (d)'s steady decode step, ms
+
+
+def steady_step_ms(eng: LLMEngine, prompt: list[int], adapter: str, running: int, steps: int = 40) -> float:
+    """Wall time of a decode step, `running` requests on `adapter` all decoding, p50 of 4 blocks of `steps`."""
+    for j in range(running):
+        params = SamplingParams(max_tokens=8 + 5 * steps, ignore_eos=True)
+        eng.add_request(f"steady{eng.steps}-{j}", prompt, params, adapter, lambda _: None)
+    for _ in range(8):  # past every prefill
+        eng._drain_commands()
+        eng.step()
+    sync()
+    blocks = []
+    for _ in range(4):
+        start = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        sync()
+        blocks.append((time.perf_counter() - start) / steps * 1e3)
+    eng.run_until_idle()
+    return p50(blocks)
+
+
 def section_cold_start(b: Bench, eng: LLMEngine, prompt: list[int], layered: tuple[bool, ...] = (True,)) -> None:
     """(d) TTFT with the adapter warm, in host RAM, on disk.
 
@@ -314,7 +337,11 @@ def section_cold_start(b: Bench, eng: LLMEngine, prompt: list[int], layered: tup
             f"({p50(host[m]) / p50(warm):.2f}x warm; {fills[m]} of 5 fills layered)"
         )
     if modes > 1:
-        report_loader(f"(d) host RAM TTFT, layered fills on / off: {p50(host[0]) / p50(host[1]):.3f}x")
+        names = " / ".join("on" if mode else "off" for mode in layered[:2])
+        report_loader(f"(d) host RAM TTFT, layered fills {names}: {p50(host[0]) / p50(host[1]):.3f}x")
+    steady = steady_step_ms(eng, prompt, "warm", b.running)
+    STEADY[eng.config.layered_fills] = steady
+    report_loader(f"(d) steady decode, {b.running} requests on one adapter: {steady:.3f} ms a step")
     report_loader(
         f"(d) host RAM, sent as its load finished: {p50(fresh) * 1e3:.2f} ms ({p50(fresh) / p50(warm):.2f}x warm)"
     )
@@ -1336,6 +1363,11 @@ def main() -> None:
         help="(d): host-RAM cold starts with slot fills copied layered (on) or whole (off), e.g. on,off",
     )
     ap.add_argument(
+        "--layered-fill-engines",
+        default="on",
+        help="layered_fills of the engines sections d, t, j, f and s run on (off: no gates in any step), e.g. on,off",
+    )
+    ap.add_argument(
         "--served-diagnostics",
         action="store_true",
         help="(s): each phase's step counters, slowest gaps, arrivals and first tokens",
@@ -1368,6 +1400,7 @@ def main() -> None:
         ("--compose-late", args.compose_late),
         ("--fills-beside-steps", args.fills_beside_steps),
         ("--layered-fills", args.layered_fills),
+        ("--layered-fill-engines", args.layered_fill_engines),
     ):
         if not set(value.split(",")) <= {"on", "off"}:
             ap.error(f"{flag} takes on and off, comma-separated, got {value!r}")
@@ -1399,7 +1432,7 @@ def main() -> None:
     prompt = Tokenizer(resolve_model(str(b.model))).encode_chat([("user", PROMPT)])
     # Cold starts, loads under traffic and hot swap, once per adapter loader, side by side in this run.
     configs = [
-        (loader, float(ms), int(mb), int(workers), fold, int(row_tile), gemm)
+        (loader, float(ms), int(mb), int(workers), fold, int(row_tile), gemm, layered)
         for loader in args.loaders.split(",")
         for ms in args.switch_intervals.split(",")
         for mb in (args.pinned_mb.split(",") if loader != "thread" else ["0"])  # threads use no arena
@@ -1407,11 +1440,12 @@ def main() -> None:
         for fold in args.fold_prompt_tokens.split(",")
         for row_tile in args.lora_gemm_row_tile.split(",")
         for gemm in args.lora_gemm_loads.split(",")
+        for layered in args.layered_fill_engines.split(",")
     ]
     if not {"d", "f", "t", "j", "p", "s"}.intersection(args.only):
         configs = []
     default_chunk = adapter_device_loader.CHUNK_BYTES
-    for loader_chunk, switch_ms, pinned_mb, workers, fold, row_tile, gemm in configs:
+    for loader_chunk, switch_ms, pinned_mb, workers, fold, row_tile, gemm, layered in configs:
         loader, _, chunk_mb = loader_chunk.partition(":")
         if chunk_mb and loader not in ("device", "device-host"):
             raise SystemExit(f"--loaders {loader_chunk}: only the device loader reads in chunks")
@@ -1428,7 +1462,7 @@ def main() -> None:
             split += f", {adapter_device_loader.CHUNK_BYTES >> 20} MiB chunks"
         LOADER = (
             f"{loader} loader, GIL switch {switch_ms or 5:g} ms{arena}{split}, prompts folded up to {fold}, "
-            f"LoRA GEMM row tile up to {row_tile}, lora_gemm {gemm}"
+            f"LoRA GEMM row tile up to {row_tile}, lora_gemm {gemm}, layered fills {layered}"
         )
         kernels_gemm_lora.MAX_BLOCK_M = row_tile  # read as the engine captures its graphs
         eng = b.engine(
@@ -1438,12 +1472,13 @@ def main() -> None:
             pinned_adapter_memory_mb=pinned_mb,
             adapter_loader_workers=workers,
             lora_gemm=gemm,
+            layered_fills=layered,
         )
         if loader == "device-host":  # the device loader, its first fills from the host image as any other's
             device_loader = eng.pool._loader
             assert isinstance(device_loader, DeviceLoader)
             device_loader.keep_device_image = False
-        if {"d", "t"}.intersection(args.only):
+        if {"d", "t"}.intersection(args.only):  # (an engine without gates fills whole whatever it is told)
             section_cold_start(b, eng, prompt, tuple(m == "on" for m in args.layered_fills.split(",")))
         if "d" in args.only:
             section_others_during_loads(b, eng, prompt)
@@ -1467,6 +1502,10 @@ def main() -> None:
         eng.stop()
         del eng
         free_gpu_memory()
+    if {"on", "off"} <= STEADY.keys():
+        report(
+            f"(d) steady decode step, engine with layered fills' gates / without: {STEADY['on'] / STEADY['off']:.3f}x"
+        )
     adapter_device_loader.CHUNK_BYTES = default_chunk  # (e)'s engines read as the engine's default does
     if "e" in args.only:
         section_zipf(b, prompt, args.zipf_requests, args.zipf_rate, args.zipf_pinned_mb)

@@ -47,6 +47,10 @@ class EngineConfig:
     # tokens are read, so a cold request's copy overlaps the GPU's work instead of lengthening the step that
     # admits it (AdapterPool.fill_ahead). 0: fill only when a step admits the request.
     adapter_fills_ahead: int = 2
+    # on: a fill from host RAM into a GPU slot copies its layers in chunks, and a step that uses the slot waits
+    # for each chunk before its first layer, not for the whole fill before its first layer (CUDA;
+    # LoRAStacks.layered_fills). off: no such waits in any step, graphs included.
+    layered_fills: str = "on"
     default_max_tokens: int = 256
     gpu_memory_utilization: float = 0.9  # share of free GPU memory the KV cache may take
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
@@ -146,6 +150,8 @@ class EngineConfig:
             raise ValueError(f"compose_late must be auto, on or off, got {self.compose_late!r}")
         if self.warm_up not in ("auto", "on", "off"):
             raise ValueError(f"warm_up must be auto, on or off, got {self.warm_up!r}")
+        if self.layered_fills not in ("on", "off"):
+            raise ValueError(f"layered_fills must be on or off, got {self.layered_fills!r}")
         if self.fold_lora_shrinks not in ("on", "off"):
             raise ValueError(f"fold_lora_shrinks must be on or off, got {self.fold_lora_shrinks!r}")
         if self.lora_gemm not in ("on", "single", "off"):

@@ -88,6 +88,7 @@ class LLMEngine:
             fold_shrinks=config.fold_lora_shrinks == "on",
             lora_gemm=config.lora_gemm != "off",
             lora_gemm_few=config.lora_gemm == "on",
+            layered_fills=config.layered_fills == "on",
         )
         # The device loader's buffers are taken at the first load, after the cache has taken free memory.
         reserved = loader_gpu_bytes(config, self.device, self.dtype, self.stacks.layout)

@@ -240,12 +240,14 @@ class LoRAStacks:
         fold_shrinks: bool = False,
         lora_gemm: bool = False,
         lora_gemm_few: bool = False,
+        layered_fills: bool = True,
     ):
         """`fused` (default: on CUDA) lays each projection group out as one stack (see below). `fold_shrinks`:
         decode-sized CUDA steps fold the q/k/v, gate/up and down shrinks into the norm and SiLU kernels that
         write their inputs (`LoRABatch.norm`, `LoRABatch.silu_and_mul`). `lora_gemm`: decode-sized CUDA steps
         run each projection as one GEMM with its LoRA inside (`LoRABatch.project`) where the rows use one adapter,
-        and with `lora_gemm_few` also where they use 2 to `few_capacity` adapters."""
+        and with `lora_gemm_few` also where they use 2 to `few_capacity` adapters. `layered_fills` (CUDA, fused):
+        make the gates layered fills need (`layer_gates`); without them no forward waits for any."""
         self.slots, self.max_rank, self.dtype = slots, max_rank, dtype
         self.fold_shrinks = fold_shrinks
         self.lora_gemm = lora_gemm
@@ -336,19 +338,23 @@ class LoRAStacks:
         # layer (`layer_gates`, in graphs too), so a step starts while the later layers still copy. An idle
         # engine's first step for an adapter in host RAM waited for the whole copy before its first layer
         # (0.74 ms of a 16-layer Llama-7B image on an H100: its TTFT was 1.12-1.17x warm).
-        self.layered_fills = True  # False: every fill is waited for whole (benchmarks compare)
+        self.layered_fills = layered_fills  # False (with the gates made): every fill is waited for whole
         self.layered = 0  # fills copied layered
         self._chunks = fill_chunks(arch.num_layers)
         self._gates: list[torch.cuda.Event] = []
         self.layer_gates: dict[int, torch.cuda.Event] = {}
         self._chunk_copies: dict[tuple[int, tuple[str, ...], int], list[ChunkCopies]] = {}
-        if self._copy_stream is not None and self.layout is not None:
+        if self._copy_stream is not None and self.layout is not None and layered_fills:
             self._make_gates()
 
     def _make_gates(self) -> None:
-        """One gate per chunk of layers past the first, recorded once: a graph captures a wait only on an event
-        that was recorded. External events: a captured wait stays a wait on the gate's latest record, not a
-        dependency inside the graph. The first chunk's gate is the slot table's too (layer 0 reads it)."""
+        """One gate per chunk of layers, recorded once: a graph captures a wait only on an event that was
+        recorded. External events: a captured wait stays a wait on the gate's latest record, not a dependency
+        inside the graph. The first chunk's gate is the slot table's too (layer 0 reads it).
+
+        The gates are shared by all slots: a step waits for the chunks of the last layered fill whatever its
+        adapters, so a fill is layered only where its copies wait for nothing (`_can_layer`); they then take
+        less than the layers before each chunk compute."""
         if len(self._chunks) < 2:
             return
         for chunk in self._chunks:
@@ -411,13 +417,18 @@ class LoRAStacks:
 
     def _can_layer(self, slot: int, adapter: AdapterWeights) -> bool:
         """Whether `adapter`'s fill into `slot` is copied layered: a host image (one already on the device copies
-        in microseconds), the gates made, and nothing it could wait behind still to run: the copy stream idle
-        and the slot's last reader done. A step queued before the fill then never waits on gates whose copies
-        wait on that step (a wait inside a graph might take a gate's record made after the graph's launch)."""
+        in microseconds), the gates made, and nothing it could wait behind still to run: its host image
+        written, the copy stream idle and the slot's last reader done. A step queued before the fill then never
+        waits on gates whose copies wait on that step (a wait inside a graph might take a gate's record made
+        after the graph's launch)."""
         stream = self._copy_stream
         if not (self.layered_fills and self.fill_beside_steps and self._gates and stream is not None):
             return False
         if adapter.packed is None or adapter.device_packed is not None:
+            return False
+        # A host image still being written (a device loader's copy back): every step that uses any adapter
+        # would wait for it at its first layer.
+        if adapter.host_ready is not None and not adapter.host_ready.query():
             return False
         last = self._last_read[slot]
         return bool(stream.query()) and (last is None or bool(last.query()))
@@ -425,9 +436,7 @@ class LoRAStacks:
     def _copy_layered(self, slot: int, adapter: AdapterWeights) -> None:
         """Copy a packed host image into `slot` chunk by chunk (`fill_chunks`), each chunk's gate after its
         layers (`_copy_packed` copies it whole); the slot table first, under the first gate."""
-        assert adapter.packed is not None and self._staging is not None
-        if adapter.host_ready is not None:
-            torch.cuda.current_stream().wait_event(adapter.host_ready)  # the host image is still being written
+        assert adapter.packed is not None and self._staging is not None  # (and its host image written)
         self._write_slot(slot, adapter.rank, adapter.scaling, adapter.modules)
         source = adapter.packed
         copies = self._layered_copies(slot, adapter.packed_groups, adapter.rank)

@@ -451,7 +451,7 @@ class DecoderModel(nn.Module):
         for i, layer in enumerate(self.layers):
             gate = gates.get(i)
             if gate is not None:  # a layered fill's chunk starts here (`LoRAStacks.layered_fills`)
-                torch.cuda.current_stream().wait_event(gate)
+                torch.cuda.current_stream(x.device).wait_event(gate)
             x, pending = layer(x, pending, positions, cos, sin, seqs, kv, lora, view)
         return x if pending is None else x + pending
 

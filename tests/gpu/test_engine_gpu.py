@@ -20,6 +20,7 @@ from engine.engine import LLMEngine
 from engine.loader import load_weights, resolve_model
 from engine.logits_processing import process_logits, reference_process
 from engine.logprobs import StepLogprobs
+from engine.lora import AdapterWeights
 from engine.sampling import SamplingParams, make_generator, sample_tokens
 from engine.sequence import RequestOutput
 from engine.step_forward import InFlight
@@ -304,35 +305,52 @@ def test_slots_refilled_beside_steps_in_flight_serve_each_adapters_weights(
 def test_steps_wait_inside_their_graphs_for_each_chunk_of_a_layered_fill(
     engines: tuple[LLMEngine, LLMEngine], model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Adapters in host RAM, each asked for by a request on an idle engine: their fills are copied layered
-    (`LoRAStacks.layered_fills`) and the step starts at once, its graphs waiting for each chunk's gate. Every
-    other fill is held back behind 20 ms of sleep on the copy stream (layering forced, as the stream is busy):
-    a graph that did not wait for the gates would read the slot before its weights. Every request still gets
-    the eager engine's tokens."""
+    """Adapters in host RAM, asked for by requests: their fills are copied layered (`LoRAStacks.layered_fills`)
+    and the step starts at once, its graphs waiting for each chunk's gate. Every fill the engine layers is held
+    back behind 20 ms of sleep on the copy stream: a graph that did not wait for the gates would read the slot
+    before its weights. A lone request on an idle engine runs a prefill graph; one joining three decoding
+    requests runs as rows of their decode graph. Every request still gets the eager engine's tokens."""
     eager, graphed = engines
-    assert len(graphed.stacks.layer_gates) > 1, "a 4-layer model copies in chunks of layers [0, 1) and [1, 4)"
+    stacks, copy_stream = graphed.stacks, graphed.stacks.copy_stream
+    assert copy_stream is not None and len(stacks.layer_gates) > 1, "4 layers: chunks [0, 1) and [1, 4)"
     arch, _ = load_weights(resolve_model(str(model_dir)))
     names = [f"lf{i}" for i in range(6)]  # more than the 4 slots: each request takes a slot from an idle one
     for i, name in enumerate(names):
         path = write_adapter(tmp_path / name, arch=arch, rank=16, alpha=32, modules=ALL7, seed=300 + i)
         for engine in engines:
             engine.load_adapter(name, str(path), wait=True)
+    set_lora, can_layer = stacks.set_lora, stacks._can_layer
+    held_back: list[int] = []
+
+    def slow_set_lora(slot: int, adapter: AdapterWeights) -> None:
+        if not can_layer(slot, adapter):
+            set_lora(slot, adapter)
+            return
+        with torch.cuda.stream(copy_stream):
+            torch.cuda._sleep(40_000_000)  # about 20 ms at an H100's clock
+        monkeypatch.setattr(stacks, "_can_layer", lambda slot, adapter: True)  # (the sleep keeps its stream busy)
+        set_lora(slot, adapter)
+        monkeypatch.setattr(stacks, "_can_layer", can_layer)
+        held_back.append(slot)
+
+    monkeypatch.setattr(stacks, "set_lora", slow_set_lora)
     prompts = _prompts(eager, 6)
-    layered = graphed.stacks.layered
+    assert graphed.graphs is not None and graphed.prefill_graphs is not None
+    layered, prefills = stacks.layered, graphed.prefill_graphs.replays
     try:
-        for i, name in enumerate(names):
-            want = _generate(eager, [(prompts[i], name)], 8)
+        for name in names[:3]:  # alone on an idle engine: a prefill graph
+            want = _generate(eager, [(prompts[0], name)], 8)
             torch.cuda.synchronize()
-            if i % 2:
-                copy_stream = graphed.stacks.copy_stream
-                assert copy_stream is not None
-                with torch.cuda.stream(copy_stream):
-                    torch.cuda._sleep(40_000_000)  # about 20 ms at an H100's clock
-                monkeypatch.setattr(graphed.stacks, "_can_layer", lambda slot, adapter: True)
-            assert _generate(graphed, [(prompts[i], name)], 8) == want, name
-            monkeypatch.undo()
-        assert graphed.stacks.layered - layered == len(names)
+            assert _generate(graphed, [(prompts[0], name)], 8) == want, name
+        assert graphed.prefill_graphs.replays - prefills >= 3
+        assert len(held_back) == 3 and stacks.layered - layered == 3
+        folded = graphed.forward.folded_prompts
+        chosen: list[str | None] = ["r16", None, "r8-qv", names[3], names[4], names[5]]
+        assert _join(graphed, prompts, chosen) == _join(eager, prompts, chosen)  # joining decode rows
+        assert graphed.forward.folded_prompts > folded
+        assert stacks.layered - layered >= 4 and len(held_back) == stacks.layered - layered
     finally:
+        monkeypatch.undo()
         for engine in engines:
             for name in names:
                 engine.unload_adapter(name)

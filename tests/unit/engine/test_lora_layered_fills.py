@@ -133,10 +133,13 @@ def test_every_forward_waits_for_a_chunks_gate_before_its_first_layer(log: list[
     assert order == expected
 
 
-@pytest.mark.parametrize("blocker", ["last reader running", "copy stream busy", "layering off", "device image"])
-def test_a_fill_that_could_wait_behind_a_step_still_to_run_is_copied_whole(log: list[object], blocker: str) -> None:
-    """A step queued before the fill might wait on its gates inside a graph: the fill must then depend on no
-    such step (its slot's last reader done, nothing queued on the copy stream before it)."""
+@pytest.mark.parametrize(
+    "blocker", ["last reader running", "copy stream busy", "host image being written", "layering off", "device image"]
+)
+def test_a_fill_that_could_wait_behind_other_work_is_copied_whole(log: list[object], blocker: str) -> None:
+    """A step queued before the fill might wait on its gates inside a graph, and every step that uses any
+    adapter waits on them: the fill must wait for no step (its slot's last reader done, nothing queued on the
+    copy stream before it) and for no loader (its host image written)."""
     stacks = _stacks(log, layered=True)
     adapter = stacks.pack(_adapter(8, ("q_proj",), 4))
     if blocker == "last reader running":
@@ -144,6 +147,10 @@ def test_a_fill_that_could_wait_behind_a_step_still_to_run_is_copied_whole(log: 
         stacks._last_read[1].done = False  # type: ignore[union-attr]
     elif blocker == "copy stream busy":
         stacks._copy_stream.busy = True  # type: ignore[union-attr]
+    elif blocker == "host image being written":
+        writing = _Event()
+        writing.done = False
+        adapter = dataclasses.replace(adapter, host_ready=writing)  # type: ignore[arg-type]
     elif blocker == "layering off":
         stacks.layered_fills = False
     else:
