@@ -86,6 +86,7 @@ def _engine(
         lora_gemm=lora_gemm,
         prefix_caching=prefix_caching,
         adapter_loader=adapter_loader,
+        layered_fills="on",
     )
     if fold_prompt_tokens is not None:  # else the engine's default
         config = dataclasses.replace(config, fold_prompt_tokens=fold_prompt_tokens)
