@@ -240,7 +240,7 @@ class LoRAStacks:
         fold_shrinks: bool = False,
         lora_gemm: bool = False,
         lora_gemm_few: bool = False,
-        layered_fills: bool = True,
+        layered_fills: bool = False,
     ):
         """`fused` (default: on CUDA) lays each projection group out as one stack (see below). `fold_shrinks`:
         decode-sized CUDA steps fold the q/k/v, gate/up and down shrinks into the norm and SiLU kernels that

@@ -103,6 +103,14 @@ def test_warm_up_flag() -> None:
         config_from(parser.parse_args(["--warm-up", "yes"])).validate()
 
 
+def test_layered_fills_flag() -> None:
+    parser = build_parser()
+    assert config_from(parser.parse_args([])).layered_fills == "off"
+    assert config_from(parser.parse_args(["--layered-fills", "on"])).layered_fills == "on"
+    with pytest.raises(ValueError, match="layered_fills must be on or off"):
+        config_from(parser.parse_args(["--layered-fills", "chunked"])).validate()
+
+
 def test_fold_lora_shrinks_flag() -> None:
     parser = build_parser()
     assert config_from(parser.parse_args([])).fold_lora_shrinks == "off"
