@@ -353,8 +353,8 @@ class LoRAStacks:
         inside the graph. The first chunk's gate is the slot table's too (layer 0 reads it).
 
         The gates are shared by all slots: a step waits for the chunks of the last layered fill whatever its
-        adapters, so a fill is layered only where its copies wait for nothing (`_can_layer`); they then take
-        less than the layers before each chunk compute."""
+        adapters, so a fill is layered only where its copies wait for nothing (`_can_layer`): they then start at
+        once, and each chunk's copy takes less time than the layers before it take to compute."""
         if len(self._chunks) < 2:
             return
         for chunk in self._chunks:
@@ -457,16 +457,20 @@ class LoRAStacks:
             staging, layout = self._staging, self.layout
             src = self._staged_views(groups, rank)
             dst, padding = self._slot_views(slot, groups, rank)
-            self._chunk_copies[key] = [
-                ChunkCopies(
-                    layout.layer_ranges(groups, rank, chunk),
-                    [staging[start:stop] for start, stop in layout.layer_ranges(groups, rank, chunk)],
-                    [t[chunk.start : chunk.stop] for t in src],
-                    [t[chunk.start : chunk.stop] for t in dst],
-                    [t[chunk.start : chunk.stop] for t in padding],
+            copies = []
+            for chunk in self._chunks:
+                ranges = layout.layer_ranges(groups, rank, chunk)
+                layers = slice(chunk.start, chunk.stop)
+                copies.append(
+                    ChunkCopies(
+                        ranges,
+                        [staging[start:stop] for start, stop in ranges],
+                        [t[layers] for t in src],
+                        [t[layers] for t in dst],
+                        [t[layers] for t in padding],
+                    )
                 )
-                for chunk in self._chunks
-            ]
+            self._chunk_copies[key] = copies
         return self._chunk_copies[key]
 
     def _write_slot(self, slot: int, rank: int, scaling: float, modules: frozenset[str]) -> None:
