@@ -341,7 +341,6 @@ class LoRAStacks:
         self.layered_fills = layered_fills  # False (with the gates made): every fill is waited for whole
         self.layered = 0  # fills copied layered
         self._chunks = fill_chunks(arch.num_layers)
-        self._gates: list[torch.cuda.Event] = []
         self.layer_gates: dict[int, torch.cuda.Event] = {}
         self._chunk_copies: dict[tuple[int, tuple[str, ...], int], list[ChunkCopies]] = {}
         if self._copy_stream is not None and self.layout is not None and layered_fills:
@@ -360,7 +359,6 @@ class LoRAStacks:
         for chunk in self._chunks:
             gate = torch.cuda.Event(external=True)
             gate.record(self._copy_stream)
-            self._gates.append(gate)
             self.layer_gates[chunk.start] = gate
 
     @property
@@ -422,7 +420,7 @@ class LoRAStacks:
         waits on gates whose copies wait on that step (a wait inside a graph might take a gate's record made
         after the graph's launch)."""
         stream = self._copy_stream
-        if not (self.layered_fills and self.fill_beside_steps and self._gates and stream is not None):
+        if not (self.layered_fills and self.fill_beside_steps and self.layer_gates and stream is not None):
             return False
         if adapter.packed is None or adapter.device_packed is not None:
             return False
@@ -440,7 +438,7 @@ class LoRAStacks:
         self._write_slot(slot, adapter.rank, adapter.scaling, adapter.modules)
         source = adapter.packed
         copies = self._layered_copies(slot, adapter.packed_groups, adapter.rank)
-        for gate, chunk in zip(self._gates, copies, strict=True):
+        for gate, chunk in zip(self.layer_gates.values(), copies, strict=True):  # (made in chunk order)
             torch._foreach_copy_(chunk.staged, [source[start:stop] for start, stop in chunk.ranges], non_blocking=True)
             if chunk.padding:
                 torch._foreach_zero_(chunk.padding)

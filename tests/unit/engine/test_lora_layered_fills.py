@@ -91,7 +91,7 @@ def test_a_layered_fill_writes_what_a_whole_fill_does_and_each_gate_follows_its_
     fill leaves it, and when each chunk's gate is recorded its layers, and all before them, are already final."""
     layered, whole = _stacks(log, layered=True), _stacks(log, layered=False)
     snapshots: list[list[torch.Tensor]] = []
-    for gate in layered._gates:  # snapshot the slot as each gate is recorded
+    for gate in layered.layer_gates.values():  # snapshot the slot as each gate is recorded
         gate.record = lambda stream=None: snapshots.append(_slot_state(layered, 1))  # type: ignore[method-assign]
     first, second = _adapter(8, ("q_proj", "v_proj", "gate_proj", "down_proj"), 1), _adapter(4, ("k_proj", "o_proj"), 2)
     for adapter in (first, second):
@@ -125,7 +125,7 @@ def test_every_forward_waits_for_a_chunks_gate_before_its_first_layer(log: list[
     lora = LoRABatch.build(stacks, [0, 0, 0], CPU)
     del log[:]
     model(torch.tensor([1, 2, 3]), torch.arange(3), [SeqSlice(0, 0, 3, 3)], kv, lora)
-    names = {str(gate): chunk.start for gate, chunk in zip(stacks._gates, stacks._chunks, strict=True)}
+    names = {str(gate): chunk.start for gate, chunk in zip(stacks.layer_gates.values(), stacks._chunks, strict=True)}
     order = [e for e in log if isinstance(e, str) and (e.startswith("layer") or e.startswith("main waits event"))]
     expected: list[str] = []
     for i in range(ARCH.num_layers):
