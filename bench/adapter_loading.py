@@ -38,7 +38,6 @@ import dataclasses
 import multiprocessing
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -50,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from bench.percentiles import percentile  # (not from gateway_rest: it imports grpc)
+from bench.scratch import scratch_dir
 from engine.adapter_device_loader import DeviceLoader
 from engine.adapter_loader import AdapterLoader, ProcessLoader, ThreadLoader, _started, _worker_init, fill_layers
 from engine.adapters import _mapped_layers, pair_tensors, read_spec
@@ -69,7 +69,7 @@ def llama_7b_adapter_file() -> tuple[ModelArch, Path]:
     weights file once first, so that it sits in the page cache as a new version's file does."""
     arch = dataclasses.replace(LLAMA_7B_16, num_layers=32)
     folder = write_adapter(
-        Path(tempfile.mkdtemp()) / "a", arch=arch, rank=16, alpha=16, modules=ALL7, seed=9, device="cuda"
+        scratch_dir("loading-") / "a", arch=arch, rank=16, alpha=16, modules=ALL7, seed=9, device="cuda"
     )
     return arch, folder
 
@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--dispatch-only", action="store_true", help="only the split loads, per-worker vs shared queue")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    tmp = Path(tempfile.mkdtemp(prefix="loading-"))
+    tmp = scratch_dir("loading-")
     if args.pack_only:
         report_packing(args, pack_b_layouts(tmp, args.pack_rounds))
         return

@@ -14,7 +14,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from bench.scratch import scratch_dir
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.loader import packaged_smollm2
@@ -85,7 +85,7 @@ def main() -> None:
         f"torch {torch.__version__}, threads {torch.get_num_threads()}"
     )
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-adapters-"))
+    tmp = scratch_dir("bench-adapters-")
     # Prefix caching off: every run repeats its prompts, which transformers + peft prefill each time.
     engine = LLMEngine(
         EngineConfig(

@@ -18,7 +18,6 @@ import gc
 import random
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -30,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from bench.scratch import scratch_dir
 from engine import adapter_device_loader, kernels_gemm_lora
 from engine.adapter_device_loader import DeviceLoader
 from engine.adapter_loader import ProcessLoader
@@ -139,7 +139,7 @@ def engine_config(model: Path, device: str, **overrides: object) -> EngineConfig
 
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
-        self.tmp = Path(tempfile.mkdtemp(prefix="e2e-"))
+        self.tmp = scratch_dir("e2e-")
         self.device: str = args.device
         dtype = torch.bfloat16 if args.shape != "smollm2" else torch.float32  # (a float32 7B would be 27 GB)
         self.model = write_random_llama(

@@ -19,13 +19,13 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from bench.engine_gpu_e2e import ALL7, PROMPT, engine_config, p99
+from bench.scratch import scratch_dir
 from engine.sequence import RequestOutput
 
 
@@ -117,7 +117,7 @@ def main() -> None:
     from tests.support.random_model import write_random_llama
     from tests.unit.engine.tiny import write_adapter
 
-    tmp = Path(tempfile.mkdtemp(prefix="first-joins-"))
+    tmp = scratch_dir("first-joins-")
     model = write_random_llama(tmp / "model", args.tokenizer, args.layers)
     arch, _ = load_weights(resolve_model(str(model)))
     adapters = [

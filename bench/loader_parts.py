@@ -27,7 +27,6 @@ import multiprocessing
 import os
 import statistics
 import sys
-import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from bench.adapter_loading import ALL7, LLAMA_7B_16
+from bench.scratch import scratch_dir
 from engine.adapter_loader import layer_parts
 from engine.adapters import (
     _KEY,
@@ -172,7 +172,7 @@ def main() -> None:
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"  # a GPU draws the 160 MB of weights faster
     folder = write_adapter(
-        Path(tempfile.mkdtemp()) / "a", arch=ARCH, rank=16, alpha=16, modules=ALL7, seed=9, device=device
+        scratch_dir("loader-parts-") / "a", arch=ARCH, rank=16, alpha=16, modules=ALL7, seed=9, device=device
     )
     spec = read_spec(folder, ARCH, 16)
     layout = LoRAStacks(ARCH, 1, 16, torch.bfloat16, torch.device("cpu"), fused=True).layout

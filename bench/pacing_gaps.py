@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.engine_gpu_e2e import PROMPT, Bench
+from bench.scratch import scratch_dir
 from engine.engine import LLMEngine
 from engine.loader import resolve_model
 from engine.sampling import SamplingParams
@@ -110,7 +110,7 @@ def main() -> None:
     for _ in range(8):
         eng.step()
     pacer = ComposePacer(slack_s=args.slack_ms / 1e3)
-    folder = Path(tempfile.mkdtemp(prefix="gaps-"))
+    folder = scratch_dir("gaps-")
     for turn in range(2):
         for late in (True, False):
             eng.pacer = pacer if late else None
