@@ -77,47 +77,50 @@ class SlotLayout:
     group_slices: dict[str, tuple[int, ...]]  # output width of each member
     group_fan_in: dict[str, int]
 
+    def layer_size(self, groups: Iterable[str], rank: int) -> int:
+        """Elements of one layer of an adapter image of `rank` covering `groups`."""
+        return sum(math.prod(a[1:]) + math.prod(b[1:]) for a, b in (self._shapes(group, rank) for group in groups))
+
     def image_size(self, groups: Iterable[str], rank: int) -> int:
         """Elements of an adapter image of `rank` covering `groups`."""
-        return sum(math.prod(a) + math.prod(b) for a, b in (self._shapes(group, rank) for group in groups))
+        return self.num_layers * self.layer_size(groups, rank)
 
     def _shapes(self, group: str, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """A [layers, members, rank, in] and B [layers, out, rank] of `group` in an image of `rank`."""
         slices = self.group_slices[group]
         return (self.num_layers, len(slices), rank, self.group_fan_in[group]), (self.num_layers, sum(slices), rank)
 
-    def layer_ranges(self, groups: tuple[str, ...], rank: int, layers: range) -> list[tuple[int, int]]:
-        """The element ranges [start, stop) of an image of `groups` at `rank` that hold `layers`, in image order,
-        adjacent ones merged: each group's A, then its B, holds its layers one after another."""
-        ranges: list[tuple[int, int]] = []
-        offset = 0
-        for group in groups:
-            for shape in self._shapes(group, rank):
-                per_layer = math.prod(shape[1:])
-                start, stop = offset + layers.start * per_layer, offset + layers.stop * per_layer
-                if ranges and ranges[-1][1] == start:
-                    ranges[-1] = (ranges[-1][0], stop)
-                elif stop > start:
-                    ranges.append((start, stop))
-                offset += self.num_layers * per_layer
-        return ranges
+    def layer_span(self, groups: Iterable[str], rank: int, layers: range) -> tuple[int, int]:
+        """The element range [start, stop) of an image of `groups` at `rank` that holds `layers` (`images`:
+        an image holds its layers one after another)."""
+        size = self.layer_size(groups, rank)
+        return layers.start * size, layers.stop * size
 
     def images(
         self, buffer: torch.Tensor, groups: tuple[str, ...], rank: int
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Views of `buffer` as each group's A [layers, members, rank, in] and B [layers, out, rank].
+        """Views of `buffer` (flat, at least the image's size) as each group's A [layers, members, rank, in] and
+        B [layers, out, rank].
+
+        The image is layer-major: its layers one after another, each holding every group's A then B in turn.
+        Any run of layers is then one contiguous range: a layered fill copies a chunk of layers to the device
+        with one copy (`LoRAStacks.layered_fills`; group-major, a chunk took a copy per group and matrix, and
+        their launches cost more of the engine thread's time than the layering saved, stop 42), and a loader
+        process checks the layers it wrote as one span.
 
         B is out-major, as PEFT files store it (a member's B is [out, rank]), not rank-major as the stacks keep
         it: packing then converts each B with one contiguous copy on the loader's CPU, and the fill's device copy
         transposes it. Packed rank-major, B's transposed copy took most of a load's packing time (4 of 32
         Llama-7B layers on one core of an H100 host: 3.20 ms packed so, 1.53 ms now; the fill's device time
         is the same; bench/RESULTS-gpu.md, stop 32)."""
+        size = self.layer_size(groups, rank)
+        by_layer = buffer[: self.num_layers * size].view(self.num_layers, size)
         out, offset = [], 0
         for group in groups:
             a_shape, b_shape = self._shapes(group, rank)
-            a_size, b_size = math.prod(a_shape), math.prod(b_shape)
-            a_img = buffer[offset : offset + a_size].view(a_shape)
-            out.append((a_img, buffer[offset + a_size : offset + a_size + b_size].view(b_shape)))
+            a_size, b_size = math.prod(a_shape[1:]), math.prod(b_shape[1:])
+            a_img = by_layer[:, offset : offset + a_size].unflatten(1, a_shape[1:])
+            out.append((a_img, by_layer[:, offset + a_size : offset + a_size + b_size].unflatten(1, b_shape[1:])))
             offset += a_size + b_size
         return out
 
@@ -176,9 +179,9 @@ class LayerCopies:
         tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
         layers: range,
     ) -> LayerCopies:
-        copies = LayerCopies([], [], [], [])
+        start, stop = layout.layer_span(groups, rank, layers)
+        copies = LayerCopies([], [], [], [image[start:stop]])
         images = layout.images(image, groups, rank)
-        copies.spans.extend(matrix[layers.start : layers.stop] for pair in images for matrix in pair)
         for layer, module, a, b in member_places(layout, groups, images, layers):
             pair = tensors.get((layer, module))
             if pair is None:
@@ -189,8 +192,8 @@ class LayerCopies:
         return copies
 
     def run(self) -> list[torch.Tensor]:
-        """Copy. Returns the parts of the image written (`spans`): one contiguous span per group and matrix, so
-        that loader processes can fill the layers of one image side by side and each check its own spans."""
+        """Copy. Returns the part of the image written (`spans`: one contiguous span, the layers' range), so
+        that loader processes can fill the layers of one image side by side and each check its own span."""
         if self.absent:
             torch._foreach_zero_(self.absent)
         if self.dst:
@@ -202,8 +205,8 @@ class LayerCopies:
 class ChunkCopies:
     """What a layered fill copies for one chunk of layers (`LoRAStacks._layered_copies`)."""
 
-    ranges: list[tuple[int, int]]  # of the host image, copied into the same places of the staging buffer:
-    staged: list[torch.Tensor]  # those places
+    span: tuple[int, int]  # the chunk's layers in the host image, copied into the same place of the staging buffer:
+    staged: torch.Tensor  # that place
     src: list[torch.Tensor]  # staged A and B views of the chunk's layers
     dst: list[torch.Tensor]  # their places in the slot
     padding: list[torch.Tensor]  # the slot's rows past the adapter's rank, of the chunk's layers
@@ -439,7 +442,7 @@ class LoRAStacks:
         source = adapter.packed
         copies = self._layered_copies(slot, adapter.packed_groups, adapter.rank)
         for gate, chunk in zip(self.layer_gates.values(), copies, strict=True):  # (made in chunk order)
-            torch._foreach_copy_(chunk.staged, [source[start:stop] for start, stop in chunk.ranges], non_blocking=True)
+            chunk.staged.copy_(source[chunk.span[0] : chunk.span[1]], non_blocking=True)
             if chunk.padding:
                 torch._foreach_zero_(chunk.padding)
             if chunk.dst:
@@ -447,7 +450,7 @@ class LoRAStacks:
             gate.record()
 
     def _layered_copies(self, slot: int, groups: tuple[str, ...], rank: int) -> list[ChunkCopies]:
-        """Per chunk of layers: the image's element ranges to copy into staging, and the staged views to copy
+        """Per chunk of layers: the image's element range to copy into staging, and the staged views to copy
         into `slot` and the padding to zero there, of those layers (made once per (slot, groups, rank))."""
         key = (slot, groups, rank)
         if key not in self._chunk_copies:
@@ -457,12 +460,12 @@ class LoRAStacks:
             dst, padding = self._slot_views(slot, groups, rank)
             copies = []
             for chunk in self._chunks:
-                ranges = layout.layer_ranges(groups, rank, chunk)
+                start, stop = layout.layer_span(groups, rank, chunk)
                 layers = slice(chunk.start, chunk.stop)
                 copies.append(
                     ChunkCopies(
-                        ranges,
-                        [staging[start:stop] for start, stop in ranges],
+                        (start, stop),
+                        staging[start:stop],
                         [t[layers] for t in src],
                         [t[layers] for t in dst],
                         [t[layers] for t in padding],

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.kv_cache import KVCache
-from engine.lora import AdapterWeights, LoRAStacks, fill_chunks
+from engine.lora import AdapterWeights, LayerCopies, LoRAStacks, fill_chunks, image_groups
 from engine.lora_batch import LoRABatch
 from engine.model import DecoderModel, SeqSlice
 from tests.unit.engine.conftest import HostStream
@@ -84,6 +84,28 @@ def test_chunks_start_with_one_layer_double_and_cover_every_layer_once() -> None
         chunks = fill_chunks(layers)
         assert [i for c in chunks for i in c] == list(range(layers))
         assert all(len(b) >= 2 * len(a) for a, b in itertools.pairwise(chunks))
+
+
+@pytest.mark.parametrize("modules", [("q_proj", "v_proj", "gate_proj", "down_proj"), ("k_proj", "o_proj")])
+def test_an_images_layers_lie_one_after_another_so_a_chunk_is_one_copy(modules: tuple[str, ...]) -> None:
+    """A slot image is layer-major: the span `layer_span` gives for any run of layers is exactly what the
+    images' views of those layers cover, and `LayerCopies` (a loader's part) writes and returns that one span."""
+    stacks = LoRAStacks(ARCH, slots=2, max_rank=8, dtype=torch.float32, device=CPU, fused=True)
+    layout, adapter = stacks.layout, _adapter(4, modules, 3)
+    assert layout is not None
+    groups = image_groups(adapter.modules)
+    size = layout.image_size(groups, 4)
+    for layers in [*fill_chunks(ARCH.num_layers), range(2, 6)]:
+        image = torch.zeros(size)
+        for a_img, b_img in layout.images(image, groups, 4):
+            a_img[layers.start : layers.stop] = 1
+            b_img[layers.start : layers.stop] = 1
+        start, stop = layout.layer_span(groups, 4, layers)
+        assert bool((image[start:stop] == 1).all()) and int(image.count_nonzero()) == stop - start
+        written = torch.zeros(size)
+        (span,) = LayerCopies.of(layout, written, groups, 4, adapter.tensors, layers).run()
+        assert span.data_ptr() == written[start:].data_ptr() and span.numel() == stop - start
+        assert int(written[:start].count_nonzero()) == int(written[stop:].count_nonzero()) == 0
 
 
 def test_a_layered_fill_writes_what_a_whole_fill_does_and_each_gate_follows_its_layers(log: list[object]) -> None:
