@@ -11,41 +11,24 @@ one layered and one whole fill; medians over the rounds after the first of each 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 
 import torch
+from engine_layer_gpu import llama_7b, random_adapter  # a sibling script
 
-from engine.config import ModelArch
-from engine.lora import AdapterWeights, LoRAStacks
-from tests.unit.engine.tiny import TINY
+from engine.lora import LoRAStacks
 
-ALL7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SLOTS_IN_TURN = 4
 
 
-def random_adapter(arch: ModelArch, rank: int, seed: int) -> AdapterWeights:
-    gen = torch.Generator().manual_seed(seed)
-    shapes = arch.projection_shapes()
-    tensors = {
-        (layer, m): (torch.randn(rank, shapes[m][0], generator=gen), torch.randn(shapes[m][1], rank, generator=gen))
-        for layer in range(arch.num_layers)
-        for m in ALL7
-    }
-    return AdapterWeights(rank=rank, scaling=0.5, modules=frozenset(ALL7), tensors=tensors)
-
-
 def measure(layers: int, rounds: int) -> None:
-    arch = dataclasses.replace(
-        TINY, vocab_size=49152, hidden_size=4096, intermediate_size=11008, num_layers=layers, num_heads=32,
-        num_kv_heads=32, head_dim=128, max_position=2048,
-    )  # fmt: skip
+    arch = llama_7b(layers)
     made = time.perf_counter()
     cuda = torch.device("cuda")
     stacks = LoRAStacks(arch, slots=8, max_rank=16, dtype=torch.bfloat16, device=cuda, layered_fills=True)
     made_ms = (time.perf_counter() - made) * 1e3
-    adapters = [stacks.pack(random_adapter(arch, 16, seed)) for seed in range(SLOTS_IN_TURN)]
+    adapters = [stacks.pack(random_adapter(arch, seed)) for seed in range(SLOTS_IN_TURN)]
     copy_stream = stacks.copy_stream
     assert copy_stream is not None
     rows: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
