@@ -12,6 +12,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 
@@ -19,6 +20,7 @@ def scratch_dir(prefix: str) -> Path:
     """A new empty folder under the system's temporary directory, removed (with its files) at the exit."""
     folder = Path(tempfile.mkdtemp(prefix=prefix))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+    main = threading.current_thread() is threading.main_thread()  # (only it may set a handler)
+    if main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     return folder

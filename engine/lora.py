@@ -40,10 +40,10 @@ class AdapterWeights:
     scaling: float
     modules: frozenset[str]
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-    # For fused (CUDA) stacks the adapter is held instead as one buffer in slot layout (`pack_adapter`):
-    # per group in `packed_groups`, A [layers, members, rank, in] then B [layers, out, rank] (each member's B
-    # as the file stores it, one under the other), at the adapter's own rank. The copy into a slot pads to the
-    # stack's max rank and turns B rank-major, as the stacks keep it.
+    # For fused (CUDA) stacks the adapter is held instead as one buffer in slot layout (`pack_adapter`,
+    # `SlotLayout.images`): layer by layer, per group in `packed_groups`, A [members, rank, in] then B
+    # [out, rank] (each member's B as the file stores it, one under the other), at the adapter's own rank.
+    # The copy into a slot pads to the stack's max rank and turns B rank-major, as the stacks keep it.
     packed: torch.Tensor | None = None
     packed_groups: tuple[str, ...] = ()
     # The same image on the GPU, as the device loader placed it there (`adapter_device_loader`): a slot fill
@@ -460,10 +460,16 @@ class LoRAStacks:
             chunk.place()
             gate.record()
 
-    def _layered_copies(self, slot: int, groups: tuple[str, ...], rank: int) -> list[ChunkCopies]:
+    def _layered_copies(
+        self, slot: int, groups: tuple[str, ...], rank: int, capture: bool = False
+    ) -> list[ChunkCopies]:
         """Per chunk of layers: the image's element range to copy into staging, and the staged views to copy
-        into `slot` and the padding to zero there, of those layers (made once per (slot, groups, rank); the
-        stacks make those of every slot at full rank when they are made: `_prepare_layered`)."""
+        into `slot` and the padding to zero there, of those layers (made once per (slot, groups, rank)).
+
+        With `capture`, each chunk's placement is also captured as a graph (`_capture_placement`): only when the
+        stacks are made (`_prepare_layered`). A capture while serving would take the engine thread's time in
+        a fill and put the process's allocator and generator in capture mode meanwhile; other keys place
+        their chunks with the copies themselves."""
         key = (slot, groups, rank)
         if key not in self._chunk_copies:
             assert self.layout is not None and self._staging is not None
@@ -476,7 +482,7 @@ class LoRAStacks:
                 layers = slice(chunk.start, chunk.stop)
                 chunk_src, chunk_dst = [t[layers] for t in src], [t[layers] for t in dst]
                 chunk_padding = [t[layers] for t in padding]
-                placement = self._capture_placement(chunk_src, chunk_dst, chunk_padding) if staging.is_cuda else None
+                placement = self._capture_placement(chunk_src, chunk_dst, chunk_padding) if capture else None
                 copies.append(
                     ChunkCopies((start, stop), staging[start:stop], chunk_src, chunk_dst, chunk_padding, placement)
                 )
@@ -508,12 +514,14 @@ class LoRAStacks:
         return graph
 
     def _prepare_layered(self, slots: int) -> None:
-        """Make every slot's layered copies (`_layered_copies`) for a full-rank adapter of every group, so that a
-        slot's first layered fill does not make them (views and graph captures: up to 1.5 ms of the engine
-        thread at Llama-7B dims, stop 42). Other ranks and groups make theirs at their first fill.
+        """Make every slot's layered copies (`_layered_copies`) for a full-rank adapter of every group, their
+        placements captured, so that a slot's first layered fill makes none (a slot's first took up to 1.5 ms
+        of the engine thread at Llama-7B dims, stop 42). Other ranks and groups make their views at their first
+        fill and place their chunks uncaptured. A capture that fails fails the stacks' making.
 
         The copies run once first, uncaptured: zeros into slot 0, zeros as made, on the copy stream that orders
-        its fills, so that the kernels are loaded before a capture takes them."""
+        its fills, so that their kernels are loaded before a capture takes them (at full rank there is no
+        padding to zero: the graphs hold copies only)."""
         assert self._staging is not None and self._copy_stream is not None
         groups = tuple(PROJECTION_GROUPS)
         with torch.cuda.stream(self._copy_stream):
@@ -521,7 +529,7 @@ class LoRAStacks:
             dst, _ = self._slot_views(0, groups, self.max_rank)  # (no padding at full rank)
             torch._foreach_copy_(dst, self._staged_views(groups, self.max_rank))
         for slot in range(slots):
-            self._layered_copies(slot, groups, self.max_rank)
+            self._layered_copies(slot, groups, self.max_rank, capture=True)
 
     def _write_slot(self, slot: int, rank: int, scaling: float, modules: frozenset[str]) -> None:
         """Write `slot`'s column of the slot table on the current stream, without waiting for it.

@@ -65,36 +65,39 @@ def test_a_packed_fill_turns_b_rank_major_on_the_gpu(tmp_path: Path) -> None:
 
 
 def test_a_layered_fill_replays_each_chunks_placement_into_the_slot_a_whole_fill_writes(tmp_path: Path) -> None:
-    """Layered fills place each chunk of layers by replaying a captured graph (`ChunkCopies.placement`, made for
-    every slot at full rank when the stacks are made, at the first fill for other ranks and groups). Fills of a
-    full-rank adapter, then of a lower-rank one over it (its padding zeroed by the graph), must leave each slot
-    as a whole fill leaves the other, bit for bit, without the engine's thread waiting for the GPU."""
+    """Layered fills of a full-rank adapter of every group place each chunk of layers by replaying a graph
+    captured when the stacks were made (`_prepare_layered`); other ranks and groups place theirs with the copies
+    themselves (their padding zeroed too). A lower-rank fill, then a full-rank one over it, must each leave the
+    slot as a whole fill leaves the other, bit for bit, without the engine's thread waiting for the GPU, and
+    the full-rank one must make no new copies."""
     arch = dataclasses.replace(TINY, num_layers=8)  # chunks [0, 1), [1, 3), [3, 8)
     stacks = LoRAStacks(arch, 2, 8, torch.bfloat16, torch.device("cuda"), layered_fills=True)
     assert stacks.layout is not None and len(stacks._chunk_copies) == 2  # both slots, full rank, every group
+    assert all(c.placement is not None for copies in stacks._chunk_copies.values() for c in copies)
     images = []
-    for name, rank, modules in (("full", 8, ALL7), ("low", 4, ("k_proj", "o_proj", "up_proj"))):
+    for name, rank, modules in (("low", 4, ("k_proj", "o_proj", "up_proj")), ("full", 8, ALL7)):
         spec = read_spec(write_adapter(tmp_path / name, arch=arch, rank=rank, alpha=8, modules=modules), arch, 8)
         images.append(load_adapter(spec, torch.bfloat16, pin=True, layout=stacks.layout))
     for adapter in images:
         torch.cuda.synchronize()
         before = stacks.layered
-        stacks.layered_fills = False
-        stacks.set_lora(1, adapter)
-        torch.cuda.synchronize()
         stacks.layered_fills = True
         torch.cuda.set_sync_debug_mode("error")
         try:
             stacks.set_lora(0, adapter)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert stacks.layered == before + 1
+        assert stacks.layered == before + 1 and len(stacks._chunk_copies) == 3  # (the low rank's made at its fill)
+        torch.cuda.synchronize()
+        stacks.layered_fills = False
+        stacks.set_lora(1, adapter)
         torch.cuda.synchronize()
         for group_a, group_b in zip(stacks._group_a_all.values(), stacks._group_b_all.values(), strict=True):
             torch.testing.assert_close(group_a[:, 0], group_a[:, 1], rtol=0, atol=0)
             torch.testing.assert_close(group_b[:, 0], group_b[:, 1], rtol=0, atol=0)
         torch.testing.assert_close(stacks._slot_table[:, 0], stacks._slot_table[:, 1], rtol=0, atol=0)
-    assert all(c.placement is not None for copies in stacks._chunk_copies.values() for c in copies)
+    low = stacks._chunk_copies[(0, images[0].packed_groups, 4)]
+    assert all(c.placement is None for c in low) and any(c.padding for c in low)
 
 
 @pytest.mark.parametrize("file_dtype", [torch.float32, torch.bfloat16])
