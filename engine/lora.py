@@ -104,9 +104,8 @@ class SlotLayout:
 
         The image is layer-major: its layers one after another, each holding every group's A then B in turn.
         Any run of layers is then one contiguous range: a layered fill copies a chunk of layers to the device
-        with one copy (`LoRAStacks.layered_fills`; group-major, a chunk took a copy per group and matrix, and
-        their launches cost more of the engine thread's time than the layering saved, stop 42), and a loader
-        process checks the layers it wrote as one span.
+        with one copy (`LoRAStacks.layered_fills`; group-major, a chunk took a copy per group and matrix), and a
+        loader process checks the layers it wrote as one span.
 
         B is out-major, as PEFT files store it (a member's B is [out, rank]), not rank-major as the stacks keep
         it: packing then converts each B with one contiguous copy on the loader's CPU, and the fill's device copy
@@ -210,7 +209,7 @@ class ChunkCopies:
     src: list[torch.Tensor]  # staged A and B views of the chunk's layers
     dst: list[torch.Tensor]  # their places in the slot
     padding: list[torch.Tensor]  # the slot's rows past the adapter's rank, of the chunk's layers
-    placement: torch.cuda.CUDAGraph | None  # on CUDA: the zeroing and the copies into the slot, as one graph
+    placement: torch.cuda.CUDAGraph | None  # the copies into the slot as one graph (`_prepare_layered`'s keys)
 
     def place(self) -> None:
         """Zero the padding and copy the staged layers into the slot, on the current stream."""
@@ -499,8 +498,9 @@ class LoRAStacks:
         0.51-0.54 ms to issue against 0.11 ms whole (stop 42; some of that may have been a slot's first fill
         making its views). Captured on a stream of its own, thread-local, with no sync: the engine's other
         threads keep using the GPU meanwhile."""
+        assert self._staging is not None
         if self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream(self._staging.device if self._staging is not None else None)
+            self._capture_stream = torch.cuda.Stream(self._staging.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(self._capture_stream):
             graph.capture_begin(capture_error_mode="thread_local")
