@@ -289,18 +289,21 @@ def steady_step_ms(eng: LLMEngine, prompt: list[int], adapter: str, running: int
     return p50(blocks)
 
 
-def section_cold_start(b: Bench, eng: LLMEngine, prompt: list[int], layered: tuple[bool, ...] = (True,)) -> None:
+def section_cold_start(
+    b: Bench, eng: LLMEngine, prompt: list[int], layered: tuple[bool, ...] = (True,), rounds: int = 5
+) -> None:
     """(d) TTFT with the adapter warm, in host RAM, on disk.
 
     "Host RAM" adapters are loaded before the timed requests, as a host-tier hit is in service: an adapter
     loaded earlier whose GPU slot went to others. A second host-RAM figure times a request sent the moment
     its adapter's load finished: then the loader's own threads still run their bookkeeping beside the
     slot fill, on the same GIL. With several `layered` modes (`LoRAStacks.layered_fills`), the host-RAM cold
-    starts run once per mode, interleaved, each on adapters of its own; the other figures take the first."""
+    starts run once per mode, interleaved, each on adapters of its own; the other figures take the first.
+    Each figure is the p50 of `rounds` cold starts."""
     if not eng.stacks.layer_gates:  # an engine without gates fills whole whatever it is told
         layered = (False,)
     modes = len(layered)
-    paths = b.adapters(eng, "c", 11 + 5 * modes)
+    paths = b.adapters(eng, "c", 1 + (2 + modes) * rounds)  # warm; then per round: fresh, disk, host per mode
     eng.load_adapter("warm", str(paths[0]), wait=True)
     ttft(eng, "warmup", prompt, "warm")
     warm, fresh, disk = [], [], []
@@ -308,11 +311,11 @@ def section_cold_start(b: Bench, eng: LLMEngine, prompt: list[int], layered: tup
     fills = [0] * modes
     if TRACE:
         eng.step_trace = []
-    for i in range(1, 6):  # interleaved so drift hits all alike
+    for i in range(1, rounds + 1):  # interleaved so drift hits all alike
         # Each round's host-RAM adapters loaded just before it: the arena drops idle images least recently used
         # first, and ones loaded ahead but not yet asked for would go first (at 30 Llama-7B layers, 1 GiB holds 14).
         for m in range(modes):
-            eng.load_adapter(f"h{m}-{i}", str(paths[10 + 5 * m + i]), wait=True)  # in host memory, not in a slot
+            eng.load_adapter(f"h{m}-{i}", str(paths[(2 + m) * rounds + i]), wait=True)  # in host memory, in no slot
         time.sleep(0.2)  # let the loaders' threads go idle
         warm_version = eng.pool.lookup("warm")
         assert warm_version is not None and warm_version.state is AdapterState.RESIDENT  # "warm": in a slot
@@ -326,7 +329,7 @@ def section_cold_start(b: Bench, eng: LLMEngine, prompt: list[int], layered: tup
         eng.stacks.layered_fills = layered[0]
         eng.load_adapter(f"f{i}", str(paths[i]), wait=True)
         fresh.append(ttft(eng, f"fq{i}", prompt, f"f{i}"))
-        eng.load_adapter(f"d{i}", str(paths[5 + i]), wait=False)  # registered, still on disk
+        eng.load_adapter(f"d{i}", str(paths[rounds + i]), wait=False)  # registered, still on disk
         disk.append(ttft(eng, f"dq{i}", prompt, f"d{i}"))
     if TRACE:
         print_trace(eng, "cold-start TTFT (warm, host per mode, host just loaded, disk; 2 steps each)")
@@ -338,7 +341,7 @@ def section_cold_start(b: Bench, eng: LLMEngine, prompt: list[int], layered: tup
     for m, mode in enumerate(layered):
         report_loader(
             f"(d) host RAM, layered fills {'on' if mode else 'off'}: {p50(host[m]) * 1e3:.2f} ms "
-            f"({p50(host[m]) / p50(warm):.2f}x warm; {fills[m]} of 5 fills layered)"
+            f"({p50(host[m]) / p50(warm):.2f}x warm; {fills[m]} of {rounds} fills layered)"
         )
     if modes > 1:
         names = " / ".join("on" if mode else "off" for mode in layered[:2])
@@ -1366,6 +1369,7 @@ def main() -> None:
         default="on,off",
         help="(d): host-RAM cold starts with slot fills copied layered (on) or whole (off), e.g. on,off",
     )
+    ap.add_argument("--cold-rounds", type=int, default=5, help="(d): cold starts of each kind (the p50's samples)")
     ap.add_argument(
         "--layered-fill-engines",
         default="on",
@@ -1397,8 +1401,9 @@ def main() -> None:
         help="decode attention of the engines section b compares (the first engine is the ratios' reference)",
     )
     args = ap.parse_args()
-    if args.swaps < 1:
-        ap.error(f"--swaps must be at least 1, got {args.swaps}")
+    for flag, count in (("--swaps", args.swaps), ("--cold-rounds", args.cold_rounds)):
+        if count < 1:
+            ap.error(f"{flag} must be at least 1, got {count}")
     for flag, value in (
         ("--load-ahead", args.load_ahead),
         ("--compose-late", args.compose_late),
@@ -1483,7 +1488,8 @@ def main() -> None:
             assert isinstance(device_loader, DeviceLoader)
             device_loader.keep_device_image = False
         if {"d", "t"}.intersection(args.only):  # (an engine without gates fills whole whatever it is told)
-            section_cold_start(b, eng, prompt, tuple(m == "on" for m in args.layered_fills.split(",")))
+            fill_modes = tuple(m == "on" for m in args.layered_fills.split(","))
+            section_cold_start(b, eng, prompt, fill_modes, args.cold_rounds)
         if "d" in args.only:
             section_others_during_loads(b, eng, prompt)
         elif "j" in args.only:
