@@ -481,17 +481,16 @@ class LoRAStacks:
                 layers = slice(chunk.start, chunk.stop)
                 chunk_src, chunk_dst = [t[layers] for t in src], [t[layers] for t in dst]
                 chunk_padding = [t[layers] for t in padding]
-                placement = self._capture_placement(chunk_src, chunk_dst, chunk_padding) if capture else None
+                placement = self._capture_placement(chunk_src, chunk_dst) if capture else None
                 copies.append(
                     ChunkCopies((start, stop), staging[start:stop], chunk_src, chunk_dst, chunk_padding, placement)
                 )
             self._chunk_copies[key] = copies
         return self._chunk_copies[key]
 
-    def _capture_placement(
-        self, src: list[torch.Tensor], dst: list[torch.Tensor], padding: list[torch.Tensor]
-    ) -> torch.cuda.CUDAGraph:
-        """A chunk's placement (`ChunkCopies.place`) captured as a CUDA graph, replayed with one launch.
+    def _capture_placement(self, src: list[torch.Tensor], dst: list[torch.Tensor]) -> torch.cuda.CUDAGraph:
+        """A full-rank chunk's placement (`ChunkCopies.place`: its copies, no padding) captured as a CUDA graph,
+        replayed with one launch.
 
         Launched one by one, a chunk's copies (two per group) take a few microseconds of the engine thread each,
         and it issues a fill before it launches the step after it: a layered fill of 16 Llama-7B layers took
@@ -505,10 +504,7 @@ class LoRAStacks:
         with torch.cuda.stream(self._capture_stream):
             graph.capture_begin(capture_error_mode="thread_local")
             try:
-                if padding:
-                    torch._foreach_zero_(padding)
-                if dst:
-                    torch._foreach_copy_(dst, src)
+                torch._foreach_copy_(dst, src)
             finally:
                 graph.capture_end()
         return graph
