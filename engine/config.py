@@ -49,9 +49,10 @@ class EngineConfig:
     adapter_fills_ahead: int = 2
     # on: a fill from host RAM into a GPU slot copies its layers in chunks, and a step that uses the slot waits
     # for each chunk before its first layer, not for the whole fill before its first layer (CUDA;
-    # LoRAStacks.layered_fills). off: no such waits in any step, graphs included. Off by default until it has
-    # been measured on a GPU (bench/RESULTS-gpu.md, stop 41).
-    layered_fills: str = "off"
+    # LoRAStacks.layered_fills). off: no such waits in any step, graphs included. On by default since stop 43:
+    # a host-RAM cold start took 0.91-0.94x the time of one with whole fills at 32 layers, 0.97-1.03x at 16, and
+    # the gates cost steady decoding 0.999x (bench/RESULTS-gpu.md).
+    layered_fills: str = "on"
     default_max_tokens: int = 256
     gpu_memory_utilization: float = 0.9  # share of free GPU memory the KV cache may take
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default

@@ -105,8 +105,8 @@ def test_warm_up_flag() -> None:
 
 def test_layered_fills_flag() -> None:
     parser = build_parser()
-    assert config_from(parser.parse_args([])).layered_fills == "off"
-    assert config_from(parser.parse_args(["--layered-fills", "on"])).layered_fills == "on"
+    assert config_from(parser.parse_args([])).layered_fills == "on"
+    assert config_from(parser.parse_args(["--layered-fills", "off"])).layered_fills == "off"
     with pytest.raises(ValueError, match="layered_fills must be on or off"):
         config_from(parser.parse_args(["--layered-fills", "chunked"])).validate()
 
