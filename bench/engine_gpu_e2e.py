@@ -1057,6 +1057,8 @@ def section_hot_swap(
     # Per setting: apply -> first token, apply -> switch (when the pool took the load and the request arrived)
     # and apply -> load done (the loader's future; the apply's return if it was done by then).
     by_mode: dict[tuple[bool, bool], tuple[list[float], list[float], list[float]]] = {m: ([], [], []) for m in modes}
+    # Per setting with the pacer on: the composition time its deadlines used as the timed request arrived.
+    estimated: dict[tuple[bool, bool], list[float]] = {m: [] for m in modes}
     timeline = LoadTimeline(eng) if TRACE else None
     once = threading.Lock()  # the loader's thread and this one may both see a switch
     for i, v2 in enumerate(v2s):
@@ -1098,6 +1100,9 @@ def section_hot_swap(
                 if arrived or eng.pool.lookup("swap") is old:
                     return
                 arrived.append(time.perf_counter())
+                estimates = eng.pacer.estimates() if eng.pacer is not None else None
+                if estimates is not None:
+                    estimated[modes[i % len(modes)]].append(estimates[1])
                 send_timed(eng, f"sw{i}", prompt, "swap", first)
 
         # Ahead of the engine's own wake-up, so the request is queued when the engine thread wakes.
@@ -1146,6 +1151,11 @@ def section_hot_swap(
             f"(f) apply -> load done{label}: p50 {p50(loads) * 1e3:.1f} ms "
             f"(min {min(loads) * 1e3:.1f}, max {max(loads) * 1e3:.1f})"
         )
+        if estimated[(ahead, late)]:
+            report_loader(
+                f"(f) the pacer's composition estimate as the timed request arrived{label}: p50 "
+                f"{p50(estimated[(ahead, late)]) * 1e3:.2f} ms (longest {max(estimated[(ahead, late)]) * 1e3:.2f})"
+            )
     for index, (name, settings) in enumerate((("load ahead of the check", load_ahead), ("compose late", compose_late))):
         if len(settings) == 2:
             on = [t for m, (ts, _, _) in by_mode.items() if m[index] for t in ts]

@@ -428,6 +428,7 @@ class LLMEngine:
             return
         if trace:
             trace.mark()
+        eager_steps = self.forward.eager_steps
         order, logits = self.forward.logits(running, prefills, previous, trace)
         prompt_logprobs.collect(self.forward.prompt_rows)
         if not order:  # only chunks short of their prompt's end: nothing to sample
@@ -440,7 +441,11 @@ class LLMEngine:
         # device's wait for this thread too.
         queued_ahead = previous is not None and not previous.done()
         self.dry_launches += previous is not None and not queued_ahead
-        if pacer is not None:
+        if pacer is not None and self.forward.eager_steps == eager_steps:
+            # A step with an eager pass beside the graphs (a burst's prompts in one pass) takes the engine thread
+            # milliseconds of launches, while the device already runs them. As the longest composition in the
+            # pacer's window it would move the next steps' deadlines to their start: a request arriving while
+            # one of them runs would wait for the step after the next, as without the pacer.
             pacer.composed(launched - composing)
         self.steps += 1
         self._fill_ahead()

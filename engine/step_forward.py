@@ -187,6 +187,9 @@ class StepForward:
         # model once for all of them (benchmarks compare with a graph replay per group).
         self.one_pass_for_groups = True
         self.group_passes = 0  # those eager passes (tests, benchmarks)
+        # Steps whose forward ran an eager pass beside the captured graphs (a prompt group's one pass, prompts
+        # no graph held): the engine's pacer leaves their compositions out (`LLMEngine.step`).
+        self.eager_steps = 0
         # The last step's rows that predict prompt tokens of the requests asking for prompt log-probabilities.
         self.prompt_rows: list[PromptRows] = []
         self.readback = TokenReadback(kv.total, device)  # where async steps' tokens come back to the host
@@ -228,9 +231,12 @@ class StepForward:
         # inherits it (a wait on a slot's fill is taken once: had a prefill graph taken it on its own stream,
         # the decode rows on this one would not wait).
         self.stacks.wait_ready(slots)
+        passes = self.eager_runs + self.group_passes
         try:
             return self._logits(running, prefills, previous, trace)
         finally:
+            if self.graphs is not None and self.eager_runs + self.group_passes != passes:
+                self.eager_steps += 1
             # After every row's forward on this stream: a prefill graph's rows too, which it waited for.
             self.stacks.mark_read(slots)
 

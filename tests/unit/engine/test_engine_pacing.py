@@ -226,3 +226,28 @@ def test_a_composition_that_read_the_step_before_first_is_timed_from_that_read(
     engine.pacer = pacer
     engine.step()
     assert len(pacer.compose_times) == 1 and pacer.compose_times[0] < 0.04
+
+
+def test_a_step_with_an_eager_pass_beside_the_graphs_is_no_composition_the_pacer_estimates_from(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst's prompts in one eager pass take the engine thread milliseconds of launches: as the longest
+    composition in the pacer's window, every next deadline would fall at its step's start (a hot swap's first
+    request then waited a step more, with the pacer as without it)."""
+    outputs: list[RequestOutput] = []
+    started_step(engine, outputs, step_seconds=0.0)
+    pacer = ComposePacer()
+    engine.pacer = pacer
+    logits = engine.forward.logits
+
+    def eager_beside_graphs(*args: object, **kwargs: object) -> object:
+        time.sleep(0.02)  # an eager pass's launches
+        engine.forward.eager_steps += 1  # as `StepForward.logits` counts one where graphs exist
+        return logits(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.forward, "logits", eager_beside_graphs)
+    engine.step()
+    assert pacer.compose_times == ()
+    monkeypatch.setattr(engine.forward, "logits", logits)
+    engine.step()  # a step of graph replays
+    assert len(pacer.compose_times) == 1 and pacer.compose_times[0] < 0.02
