@@ -29,6 +29,7 @@ from engine.lora_plan import SegmentPlan
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput, Sequence
 from engine.step_forward import StepForward
+from engine.step_pacing import ComposePacer
 from engine.warm_up import warm_up
 from tests.support.random_model import write_tiny_llama
 from tests.unit.engine.conftest import HostStream
@@ -533,3 +534,29 @@ def test_prompts_asking_for_prompt_logprobs_run_eagerly_beside_prefill_graphs(
     assert [key for key in replays if isinstance(key, tuple)] == [(32, False)]  # "plain"'s prefill graph only
     eager, graphed = ({rid: o.summary for rid, o in sinks.items()} for sinks in outputs)
     assert graphed == eager and graphed["scored"] == ([], "", "length")
+
+
+def test_a_burst_run_in_one_eager_pass_is_no_composition_the_pacer_counts(
+    model: Path, request: pytest.FixtureRequest
+) -> None:
+    """Short prompts arriving together beyond a graph's rows run as one eager pass (`StepForward._group_pass`):
+    on a GPU, milliseconds of launches on the engine thread. Taken for a composition, it moved every deadline
+    of the pacer's window to its step's start (stop 43: a hot swap's first request then waited a step more).
+    The steps of graph replays after it are compositions the pacer counts."""
+    engine = new_engine(
+        model, fused=True, async_steps="on", lora_gemm="off", fills_ahead=0, fold_prompt_tokens=5, graph_prompt_rows=0
+    )
+    try:
+        request.getfixturevalue("replays")  # (the engine made, its tokenizer loaded: the stand-ins for CUDA's)
+        graph(engine, request.getfixturevalue("prefill_stream"))  # graphs of up to 6 + 5 rows: 16 rows in one pass
+        pacer = ComposePacer(window=64)
+        engine.pacer = pacer
+        for i, length in enumerate((3, 4, 5, 4)):
+            engine.add_request(f"b{i}", prompt(length), greedy(3), None, lambda out: None)
+        steps = engine.steps
+        engine.run_until_idle()
+        forward = engine.forward
+        assert (forward.group_passes, forward.eager_steps) == (1, 1)
+        assert engine.steps - steps == 3 and len(pacer.compose_times) == 2  # the two decode steps after it
+    finally:
+        engine.stop()
