@@ -1057,8 +1057,8 @@ def section_hot_swap(
     # Per setting: apply -> first token, apply -> switch (when the pool took the load and the request arrived)
     # and apply -> load done (the loader's future; the apply's return if it was done by then).
     by_mode: dict[tuple[bool, bool], tuple[list[float], list[float], list[float]]] = {m: ([], [], []) for m in modes}
-    # Per setting with the pacer on: the composition time its deadlines used as the timed request arrived.
-    estimated: dict[tuple[bool, bool], list[float]] = {m: [] for m in modes}
+    # Per setting with the pacer on: its step and composition estimates as the timed request arrived.
+    estimated: dict[tuple[bool, bool], list[tuple[float, float]]] = {m: [] for m in modes}
     timeline = LoadTimeline(eng) if TRACE else None
     once = threading.Lock()  # the loader's thread and this one may both see a switch
     for i, v2 in enumerate(v2s):
@@ -1093,7 +1093,11 @@ def section_hot_swap(
         arrived: list[float] = []
 
         def arrive(
-            i: int = i, old: AdapterVersion | None = old, first: list[float] = first, arrived: list[float] = arrived
+            i: int = i,
+            old: AdapterVersion | None = old,
+            first: list[float] = first,
+            arrived: list[float] = arrived,
+            mode: tuple[bool, bool] = mode,
         ) -> None:
             """The timed request, sent once the pool serves the new version (a loader thread calls this)."""
             with once:
@@ -1102,7 +1106,7 @@ def section_hot_swap(
                 arrived.append(time.perf_counter())
                 estimates = eng.pacer.estimates() if eng.pacer is not None else None
                 if estimates is not None:
-                    estimated[modes[i % len(modes)]].append(estimates[1])
+                    estimated[mode].append(estimates)
                 send_timed(eng, f"sw{i}", prompt, "swap", first)
 
         # Ahead of the engine's own wake-up, so the request is queued when the engine thread wakes.
@@ -1152,9 +1156,12 @@ def section_hot_swap(
             f"(min {min(loads) * 1e3:.1f}, max {max(loads) * 1e3:.1f})"
         )
         if estimated[(ahead, late)]:
+            steps = [step for step, _ in estimated[(ahead, late)]]
+            compositions = [composition for _, composition in estimated[(ahead, late)]]
             report_loader(
-                f"(f) the pacer's composition estimate as the timed request arrived{label}: p50 "
-                f"{p50(estimated[(ahead, late)]) * 1e3:.2f} ms (longest {max(estimated[(ahead, late)]) * 1e3:.2f})"
+                f"(f) the pacer's estimates as the timed request arrived{label}, p50: step {p50(steps) * 1e3:.2f} ms "
+                f"(shortest {min(steps) * 1e3:.2f}), composition {p50(compositions) * 1e3:.2f} ms (longest "
+                f"{max(compositions) * 1e3:.2f})"
             )
     for index, (name, settings) in enumerate((("load ahead of the check", load_ahead), ("compose late", compose_late))):
         if len(settings) == 2:

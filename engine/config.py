@@ -50,7 +50,7 @@ class EngineConfig:
     # on: a fill from host RAM into a GPU slot copies its layers in chunks, and a step that uses the slot waits
     # for each chunk before its first layer, not for the whole fill before its first layer (CUDA;
     # LoRAStacks.layered_fills). off: no such waits in any step, graphs included. On by default since stop 43:
-    # a host-RAM cold start took 0.91-0.94x the time of one with whole fills at 32 layers, 0.97-1.03x at 16, and
+    # a host-RAM cold start took 0.90-0.94x the time of one with whole fills at 32 layers, 0.97-1.03x at 16, and
     # the gates cost steady decoding 0.999x (bench/RESULTS-gpu.md).
     layered_fills: str = "on"
     default_max_tokens: int = 256

@@ -126,6 +126,9 @@ class LLMEngine:
         # flight started on the device, by the engine thread's clock.
         self.pacer = ComposePacer() if self.async_steps and config.compose_late != "off" else None
         self._inflight_since = 0.0
+        # Whether the step in flight ran an eager pass: the device ran it as it was launched, before
+        # `_inflight_since`, so its end tells the pacer nothing of a step's time.
+        self._inflight_eager = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._settled = self.device.type == "cuda"  # only a GPU engine's step loop is Python-bound
         if config.warm_up == "on" or (config.warm_up == "auto" and graphed):
@@ -403,7 +406,13 @@ class LLMEngine:
         if previous is not None and pacer is not None:
             # Requests that arrive while `previous` runs, and loads that end meanwhile, join this step. Timed
             # from when the composition was due, so a late wake-up (the GIL held elsewhere) counts in it.
-            composing = pacer.wait(previous, self._inflight_since, self._wakeup, lambda: not self._commands.empty())
+            composing = pacer.wait(
+                previous,
+                self._inflight_since,
+                self._wakeup,
+                lambda: not self._commands.empty(),
+                started_known=not self._inflight_eager,
+            )
             self._drain_commands()
         started = step_start_event(self.device) if pacer is not None and previous is not None else None
         trace = StepTrace(self.device, self.pool.slot_misses) if self.step_trace is not None else None
@@ -428,7 +437,6 @@ class LLMEngine:
             return
         if trace:
             trace.mark()
-        eager_steps = self.forward.eager_steps
         order, logits = self.forward.logits(running, prefills, previous, trace)
         prompt_logprobs.collect(self.forward.prompt_rows)
         if not order:  # only chunks short of their prompt's end: nothing to sample
@@ -441,17 +449,21 @@ class LLMEngine:
         # device's wait for this thread too.
         queued_ahead = previous is not None and not previous.done()
         self.dry_launches += previous is not None and not queued_ahead
-        if pacer is not None and self.forward.eager_steps == eager_steps:
-            # A step with an eager pass beside the graphs (a burst's prompts in one pass) takes the engine thread
-            # milliseconds of launches, while the device already runs them. As the longest composition in the
-            # pacer's window it would move the next steps' deadlines to their start: a request arriving while
-            # one of them runs would wait for the step after the next, as without the pacer.
-            pacer.composed(launched - composing)
+        eager_started = self.forward.eager_started
+        if pacer is not None:
+            # A step with an eager pass beside the graphs (a burst's prompts in one pass, rows no graph holds)
+            # is composed up to that pass: its launches take this thread milliseconds on a large model while the
+            # device runs its kernels as they come. Timed to the end of them, one such step set the longest
+            # composition of the pacer's window, which moved the next steps' deadlines to their start: a
+            # request arriving while one of them ran waited for the step after the next (bench/RESULTS-gpu.md,
+            # stop 43). A step composed late whose eager pass is launch-bound can still leave the device idle.
+            pacer.composed((eager_started if eager_started is not None else launched) - composing)
         self.steps += 1
         self._fill_ahead()
         if self.async_steps and self.step_trace is None:  # a trace times each phase up to its own tokens
             timed = started if queued_ahead else None
             self._inflight = InFlight.launch(order, tokens, self.forward.readback, logprobs, timed)
+            self._inflight_eager = eager_started is not None
             # The new step starts on the device as `previous` ends (when its tokens came back, if this thread
             # waited for them), or about when it was queued if `previous` had ended by then.
             self._inflight_since = launched

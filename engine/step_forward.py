@@ -187,9 +187,10 @@ class StepForward:
         # model once for all of them (benchmarks compare with a graph replay per group).
         self.one_pass_for_groups = True
         self.group_passes = 0  # those eager passes (tests, benchmarks)
-        # Steps whose forward ran an eager pass beside the captured graphs (a prompt group's one pass, prompts
-        # no graph held): the engine's pacer leaves their compositions out (`LLMEngine.step`).
-        self.eager_steps = 0
+        # When this step's first eager pass beside the captured graphs began (`time.perf_counter`; a prompt
+        # group's one pass, rows no graph held), None in a step of replays only: the engine's pacer times the
+        # step's composition up to it (`LLMEngine.step`).
+        self.eager_started: float | None = None
         # The last step's rows that predict prompt tokens of the requests asking for prompt log-probabilities.
         self.prompt_rows: list[PromptRows] = []
         self.readback = TokenReadback(kv.total, device)  # where async steps' tokens come back to the host
@@ -231,12 +232,10 @@ class StepForward:
         # inherits it (a wait on a slot's fill is taken once: had a prefill graph taken it on its own stream,
         # the decode rows on this one would not wait).
         self.stacks.wait_ready(slots)
-        passes = self.eager_runs + self.group_passes
+        self.eager_started = None
         try:
             return self._logits(running, prefills, previous, trace)
         finally:
-            if self.graphs is not None and self.eager_runs + self.group_passes != passes:
-                self.eager_steps += 1
             # After every row's forward on this stream: a prefill graph's rows too, which it waited for.
             self.stacks.mark_read(slots)
 
@@ -306,6 +305,7 @@ class StepForward:
                 # More rows than a graph holds: one eager pass over them all, where each graph replay read the
                 # whole model for its own rows (a burst of 64 prompts of 37 tokens: 21 replays of 3 prompts).
                 # It runs when no chunk ends its prompt too: it writes their keys.
+                self._eager_starts()
                 logits = self._group_pass(one_pass, prefills)
                 done = [s for s in one_pass if s.prefill_done]
                 if done:
@@ -331,6 +331,7 @@ class StepForward:
         if trace:
             trace.mark()
         if eager:
+            self._eager_starts()
             logits = self._forward_eager(eager, prefills, previous)
             if self.prompt_rows:  # past the last rows: those of prompt positions (`_forward_eager`)
                 logits, rest = logits[: len(eager)], logits[len(eager) :]
@@ -357,6 +358,12 @@ class StepForward:
             return [s.output_ids[-1] for s in seqs], [s.context_len - 1 for s in seqs]
         index = upload([previous.rows[s] for s in seqs], torch.long, self.device)
         return previous.tokens.index_select(0, index), [s.context_len for s in seqs]
+
+    def _eager_starts(self) -> None:
+        """Note that an eager pass starts now, where graphs hold the other rows (`eager_started`): its launches
+        take the engine thread milliseconds on a large model, and the device runs its kernels as they come."""
+        if self.graphs is not None and self.eager_started is None:
+            self.eager_started = time.perf_counter()
 
     def _foldable(
         self, decoding: list[Sequence], chunks: list[Sequence], prefills: dict[Sequence, int]

@@ -84,10 +84,19 @@ class ComposePacer:
         step, composition = estimates
         return since + step - composition - self.slack_s
 
-    def wait(self, flight: StepInFlight, since: float, wake: Wakeup, arrived: Callable[[], bool]) -> float:
+    def wait(
+        self,
+        flight: StepInFlight,
+        since: float,
+        wake: Wakeup,
+        arrived: Callable[[], bool],
+        started_known: bool = True,
+    ) -> float:
         """Block until the next step should be composed: `flight` is near its end or done, or something
         arrived (`wake` set after this call began, or `arrived()`). Returns when the composition was due: the
         deadline where the wait ran to it (however late this thread woke), else the clock's time at its end.
+        `started_known` False: `flight` may have started on the device well before `since` (an eager pass runs
+        as it is launched), so its end before the deadline is no step time to learn from.
 
         `wake` is cleared first: an earlier set was for work the caller has already taken in."""
         wake.clear()
@@ -104,7 +113,8 @@ class ComposePacer:
                 # Ended before the estimate: its time, at most this, joins the estimates. Steps launched after
                 # it ran dry are not timed (`ran`), so steps that got shorter would otherwise never be seen.
                 now = self.clock()
-                self._device_s.append(now - since)
+                if started_known:
+                    self._device_s.append(now - since)
                 return now
             now = self.clock()
             if now >= deadline:

@@ -228,26 +228,46 @@ def test_a_composition_that_read_the_step_before_first_is_timed_from_that_read(
     assert len(pacer.compose_times) == 1 and pacer.compose_times[0] < 0.04
 
 
-def test_a_step_with_an_eager_pass_beside_the_graphs_is_no_composition_the_pacer_estimates_from(
+def eager_beside_graphs(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, launches_s: float) -> None:
+    """The engine's next steps run an eager pass beside graphs whose launches take `launches_s`, as
+    `StepForward` notes where graphs hold the other rows (`eager_started`; the CPU forward has no graphs)."""
+    logits = engine.forward.logits
+
+    def eager(*args: object, **kwargs: object) -> object:
+        started = time.perf_counter()
+        time.sleep(launches_s)
+        result = logits(*args, **kwargs)  # type: ignore[arg-type]
+        engine.forward.eager_started = started
+        return result
+
+    monkeypatch.setattr(engine.forward, "logits", eager)
+
+
+def test_a_step_with_an_eager_pass_is_composed_up_to_that_pass(
     engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A burst's prompts in one eager pass take the engine thread milliseconds of launches: as the longest
-    composition in the pacer's window, every next deadline would fall at its step's start (a hot swap's first
-    request then waited a step more, with the pacer as without it)."""
+    """A burst's prompts in one eager pass take the engine thread milliseconds of launches: timed to their
+    end, the step set the longest composition of the pacer's window, and every next deadline fell at its
+    step's start (stop 43: a hot swap's first request then waited a step more, as without the pacer)."""
     outputs: list[RequestOutput] = []
     started_step(engine, outputs, step_seconds=0.0)
     pacer = ComposePacer()
     engine.pacer = pacer
-    logits = engine.forward.logits
-
-    def eager_beside_graphs(*args: object, **kwargs: object) -> object:
-        time.sleep(0.02)  # an eager pass's launches
-        engine.forward.eager_steps += 1  # as `StepForward.logits` counts one where graphs exist
-        return logits(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(engine.forward, "logits", eager_beside_graphs)
+    eager_beside_graphs(engine, monkeypatch, launches_s=0.05)
     engine.step()
-    assert pacer.compose_times == ()
+    assert len(pacer.compose_times) == 1 and pacer.compose_times[0] < 0.04
+
+
+def test_an_eager_steps_early_end_is_no_step_time(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device runs an eager pass as it is launched, before the step's start the engine notes: seen done
+    early, it would enter the estimates as a step far shorter than any, the next deadlines at their start."""
+    outputs: list[RequestOutput] = []
+    pacer = started_step(engine, outputs, step_seconds=30.0)
+    logits = engine.forward.logits
+    eager_beside_graphs(engine, monkeypatch, launches_s=0.0)
+    engine._commands.put(lambda: None)  # (ends the wait for the step in flight at once)
+    engine.step()  # the eager step, in flight
     monkeypatch.setattr(engine.forward, "logits", logits)
-    engine.step()  # a step of graph replays
-    assert len(pacer.compose_times) == 1 and pacer.compose_times[0] < 0.02
+    monkeypatch.setattr(InFlight, "done", lambda self: True)  # seen done before the deadline
+    engine.step()
+    assert pacer.device_times == (30.0,) and pacer.waits == 2

@@ -214,6 +214,7 @@ def test_short_prompts_arriving_together_run_as_rows_of_decode_graphs_of_their_o
     order, logits = forward.logits([a, c, d], {a: 3, c: 4, d: 5}, None)  # nothing decodes beside them
 
     assert order == [a, c, d] and forward.eager_runs == 1  # (this forward has no prefill graphs for d)
+    assert forward.eager_started is not None  # (d's eager pass: the engine's pacer times the step up to it)
     assert replays == [cuda_graphs.GraphKey(8, 256, True, False)]
     assert forward.grouped_prompts == 2 and forward.folded_rows == 0  # a and c (7 rows); d's 5 no longer fit
     want = _eager(eager_kv, [(a, a.prompt_ids, 0), (c, c.prompt_ids, 0), (d, d.prompt_ids, 0)])
@@ -252,7 +253,7 @@ def test_prompt_groups_of_more_rows_than_a_graph_holds_run_in_one_eager_pass(
 
     assert order == seqs and forward.grouped_prompts == 4 and forward.eager_runs == 0
     assert (forward.group_passes, len(replays)) == ((1, 0) if one_pass else (0, 2))
-    assert forward.eager_steps == (1 if one_pass else 0)  # (the engine's pacer leaves such a step out)
+    assert (forward.eager_started is not None) is one_pass  # (the engine's pacer times the step up to it)
     want = _eager(eager_kv, [(s, s.prompt_ids, 0) for s in seqs])
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
     for i, seq in enumerate(seqs):  # the KV rows hold each prompt as a whole prefill writes it
@@ -260,7 +261,7 @@ def test_prompt_groups_of_more_rows_than_a_graph_holds_run_in_one_eager_pass(
     order, logits = forward.logits(seqs, {}, None)
     want = _eager(eager_kv, [(s, [10 + i], len(s.prompt_ids)) for i, s in enumerate(seqs)])
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
-    assert forward.eager_steps == (1 if one_pass else 0)  # a decode graph's step
+    assert forward.eager_started is None  # a decode graph's step
 
 
 @pytest.mark.parametrize("one_pass", [True, False])

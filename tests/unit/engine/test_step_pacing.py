@@ -167,3 +167,13 @@ def test_steps_that_got_shorter_move_the_estimate() -> None:
     assert pacer.wait(Flight(clock, ends_at=100.005), 100.0, Wake(clock), nothing_arrived) == pytest.approx(100.005)
     assert min(pacer.device_times) == pytest.approx(0.005)
     assert pacer.deadline(200.0) == pytest.approx(200.004)
+
+
+def test_a_step_whose_start_is_unknown_ends_the_wait_early_unmeasured() -> None:
+    """An eager pass runs on the device as it is launched, before the start the engine notes: its early end
+    is no step time (it would be far shorter than any, and the next deadlines would fall at their start)."""
+    clock = Clock()
+    pacer = measured(clock, [0.010], [0.001], poll_s=0.001)
+    flight = Flight(clock, ends_at=100.002)
+    assert pacer.wait(flight, 100.0, Wake(clock), nothing_arrived, started_known=False) == pytest.approx(100.002)
+    assert pacer.device_times == (0.010,)
