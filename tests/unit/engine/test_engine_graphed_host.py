@@ -556,7 +556,7 @@ def test_a_burst_run_in_one_eager_pass_is_composed_up_to_that_pass(
         group_pass = forward._group_pass
 
         def slow_launches(*args: Any) -> torch.Tensor:
-            time.sleep(0.05)
+            time.sleep(0.2)  # (far above a tiny CPU step's composition, even on a loaded machine)
             return group_pass(*args)
 
         monkeypatch.setattr(forward, "_group_pass", slow_launches)
@@ -565,6 +565,6 @@ def test_a_burst_run_in_one_eager_pass_is_composed_up_to_that_pass(
         steps = engine.steps
         engine.run_until_idle()
         assert forward.group_passes == 1 and engine.steps - steps == 3 and len(pacer.compose_times) == 3
-        assert max(pacer.compose_times) < 0.04
+        assert max(pacer.compose_times) < 0.15
     finally:
         engine.stop()

@@ -253,9 +253,9 @@ def test_a_step_with_an_eager_pass_is_composed_up_to_that_pass(
     started_step(engine, outputs, step_seconds=0.0)
     pacer = ComposePacer()
     engine.pacer = pacer
-    eager_beside_graphs(engine, monkeypatch, launches_s=0.05)
+    eager_beside_graphs(engine, monkeypatch, launches_s=0.2)
     engine.step()
-    assert len(pacer.compose_times) == 1 and pacer.compose_times[0] < 0.04
+    assert len(pacer.compose_times) == 1 and pacer.compose_times[0] < 0.15
 
 
 def test_an_eager_steps_early_end_is_no_step_time(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
