@@ -50,14 +50,16 @@ def measure(layers: int, rounds: int) -> None:
             else:
                 rows[layered].append((issue, start.elapsed_time(end)))
     print(f"{layers} layers ({made_ms:.0f} ms to make the stacks):")
+    issue_p50 = {layered: statistics.median(r[0] for r in rows[layered]) for layered in rows}
     for layered in (True, False):
-        issue = statistics.median(r[0] for r in rows[layered])
         copy = statistics.median(r[1] for r in rows[layered])
         first = max(firsts[layered])
         kind = "layered" if layered else "whole  "
-        print(f"  {kind}: issue p50 {issue:.3f} ms (a slot's first: up to {first:.3f}), copy stream p50 {copy:.3f} ms")
-    ratio = statistics.median(r[0] for r in rows[True]) / statistics.median(r[0] for r in rows[False])
-    print(f"  issue time, layered / whole: {ratio:.2f}x")
+        print(
+            f"  {kind}: issue p50 {issue_p50[layered]:.3f} ms (a slot's first: up to {first:.3f}), "
+            f"copy stream p50 {copy:.3f} ms"
+        )
+    print(f"  issue time, layered / whole: {issue_p50[True] / issue_p50[False]:.2f}x")
 
 
 def main() -> None:
