@@ -3,9 +3,9 @@
 #   .gpu/tokenizer  the SmolLM2 tokenizer the GPU tests and benchmarks pass as --tokenizer
 #                   (bench/engine_gpu_e2e.py, bench/first_joins.py; tests/gpu/test_engine_gpu.py reads it)
 #   .whl/           wheels of the packages the GPU image lacks (xgrammar and its needs), for Python 3.12
-# Both folders stay out of git (.git/info/exclude); a run carries them (`carry: [".gpu", ".whl"]`) and
-# installs the wheels first:
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
+# Both folders stay out of git (.git/info/exclude); a run carries them (`carry: [".gpu", ".whl"]`), and the
+# GPU-call scripts (scripts/gpu_pacer_check.sh, scripts/gpu_goal_figures.sh) install the wheels first
+# (scripts/gpu_common.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 for folder in /.gpu/ /.whl/; do
