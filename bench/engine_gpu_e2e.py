@@ -602,7 +602,7 @@ def section_served_loads(
     eng: LLMEngine,
     prompt: list[int],
     rounds: int = 3,
-    pacer_modes: tuple[bool, ...] = (True,),
+    pacer_modes: tuple[str, ...] = ("on",),
     fill_modes: tuple[bool, ...] = (True,),
 ) -> None:
     """(s) (d) under the engine's own step loop, as a server runs it: the engine thread steps (with async steps,
@@ -618,20 +618,20 @@ def section_served_loads(
     for them (loads alone), or adapters registered and a request for each (cold joins, loading from disk).
     Each phase starts its running requests afresh, so all meet the same KV lengths, and the phases take turns
     over `rounds` rounds, each round starting from the next phase. Others' gaps are pooled per phase.
-    `pacer_modes`: all of it with the engine's late composition on (True) and off (False), where the engine has
-    it (async steps); `fill_modes`: with slot fills waiting for the slot's last step only (True) or for all the
-    work queued before them (False; `LoRAStacks.fill_beside_steps`). Each round runs every pair of modes, in
+    `pacer_modes`: all of it with the engine's late composition on, by kind or off (`pacers_for`), where the
+    engine has it (async steps); `fill_modes`: with slot fills waiting for the slot's last step only (True) or
+    for all the work queued before them (False; `LoRAStacks.fill_beside_steps`). Each round runs every pair of modes, in
     an order that moves on by one each round.
 
     Starts the engine's step loop: the engine can only be stopped after this section."""
     eng.start()
     warm_names = [f"sw{i}" for i in range(12)]
-    modes = [(p, f) for p in (pacer_modes if eng.pacer is not None else (False,)) for f in fill_modes]
+    modes = [(p, f) for p in (pacer_modes if eng.pacer is not None else ("off",)) for f in fill_modes]
     paths = b.adapters(eng, "s", 12 + 24 * rounds * len(modes)) if rounds else []  # (0 rounds: bursts only)
     for name, path in zip(warm_names, paths, strict=False):
         eng.load_adapter(name, str(path), wait=True)
     fresh = iter(paths[12:])  # (each adapter loads from disk once)
-    original = eng.pacer
+    original, pacers = eng.pacer, pacers_for(eng, tuple(p for p, _ in modes))
 
     def phase_run(phase: str, tag: str, interval: float) -> tuple[list[float], list[float], list[float]]:
         """Others' gaps, the joiners' TTFTs and the loads' times (registration -> load ended) of one phase."""
@@ -796,15 +796,15 @@ def section_served_loads(
     if not rounds:
         return
 
-    def use(mode: tuple[bool, bool]) -> None:
+    def use(mode: tuple[str, bool]) -> None:
         paced, beside = mode
-        eng.pacer = original if paced else None  # (read by the engine thread once per step)
+        eng.pacer = pacers[paced]  # (read by the engine thread once per step)
         eng.stacks.fill_beside_steps = beside
 
     gaps = {m: {phase: list[float]() for phase in SERVED_PHASES} for m in modes}
     ttfts = {m: {phase: list[float]() for phase in SERVED_PHASES} for m in modes}
     loads = {m: list[float]() for m in modes}
-    per_round: dict[tuple[bool, bool], list[dict[str, float]]] = {m: [] for m in modes}
+    per_round: dict[tuple[str, bool], list[dict[str, float]]] = {m: [] for m in modes}
     use(modes[0])
     interval = 4 * p50(phase_run("steady", "w", 0.0)[0])  # a warm-up, and the arrivals' spacing: 4 steady steps
     for r in range(rounds):
@@ -814,18 +814,18 @@ def section_served_loads(
             order = SERVED_PHASES[r % len(SERVED_PHASES) :] + SERVED_PHASES[: r % len(SERVED_PHASES)]
             row: dict[str, float] = {}
             for k, phase in enumerate(order):
-                out, own, load_s = phase_run(phase, f"{mode[0]:d}{mode[1]:d}{r}{k}", interval)
+                out, own, load_s = phase_run(phase, f"{modes.index(mode)}{r}{k}", interval)
                 gaps[mode][phase] += out
                 ttfts[mode][phase] += own
                 loads[mode] += load_s
                 row[phase] = p99(out)
             per_round[mode].append(row)
-    use((True, True))  # the engine's defaults
+    eng.pacer, eng.stacks.fill_beside_steps = original, True  # the engine's defaults
     for mode in modes:
         paced, beside = mode
         steady = p99(gaps[mode]["steady"])
         label = ", fills " + ("beside the step in flight" if beside else "after all queued work")
-        label += "" if original is None else f", compose late {'on' if paced else 'off'}"
+        label += "" if original is None else f", compose late {paced}"
         for phase in SERVED_PHASES[1:]:
             rounds_x = ", ".join(f"{row[phase] / row['steady']:.2f}x" for row in per_round[mode])
             their = f"; their TTFT p50 {p50(ttfts[mode][phase]) * 1e3:.2f} ms" if ttfts[mode][phase] else ""
@@ -1036,35 +1036,58 @@ class LoadTimeline:
         print(f"  [swap {swap}] " + ", ".join(f"{mark} {ms(t)}" for mark, t in {**loaded, **marks}.items()))
 
 
+COMPOSE_LATE = ("on", "by-kind", "off")  # the modes --compose-late takes
+
+
+def pacers_for(eng: LLMEngine, modes: tuple[str, ...]) -> dict[str, ComposePacer | None]:
+    """The pacer each `--compose-late` mode puts on `eng`: its own where it is of that kind, else a new one of
+    its slack; none for off, or where the engine composes no step late (no async steps)."""
+    own = eng.pacer
+    pacers: dict[str, ComposePacer | None] = {}
+    for mode in modes:
+        by_kind = mode == "by-kind"
+        if own is None or mode == "off":
+            pacers[mode] = None
+        else:
+            pacers[mode] = own if own.by_kind is by_kind else ComposePacer(slack_s=own.slack_s, by_kind=by_kind)
+    return pacers
+
+
+def longest(pacer: ComposePacer, prompts: bool) -> float:
+    """The longest composition in `pacer`'s window of steps that took in prompts or only decoded (0 if none)."""
+    return max((s for s, took in pacer.compositions if took is prompts), default=0.0)
+
+
 def section_hot_swap(
     b: Bench,
     eng: LLMEngine,
     prompt: list[int],
     swaps: int = 9,
     load_ahead: tuple[bool, ...] = (True,),
-    compose_late: tuple[bool, ...] = (True,),
+    compose_late: tuple[str, ...] = ("on",),
 ) -> None:
     """(f) apply a new version while traffic runs: apply -> switch (staged load) -> first token on it. The
     request timed arrives as the pool switches to the new version (from the loader's thread, as a server's
     next request would under steady traffic). With several `load_ahead` settings (the pool's: the new
-    version's load started beside its check, or after it) or `compose_late` ones (the engine's pacer on or
-    off), the swaps take each pair in turn, `swaps` each."""
+    version's load started beside its check, or after it) or `compose_late` ones (the engine's pacer on, by
+    kind, or off: `pacers_for`), the swaps take each pair in turn, `swaps` each."""
     modes = [(ahead, late) for ahead in load_ahead for late in compose_late]
     v1, *v2s = b.adapters(eng, "swap", swaps * len(modes) + 1)  # single swaps vary by a step or a collection
     eng.load_adapter("swap", str(v1), wait=True)
     ttft(eng, "sw0", prompt, "swap")
-    pacer = eng.pacer
+    pacer, pacers = eng.pacer, pacers_for(eng, compose_late)
     # Per setting: apply -> first token, apply -> switch (when the pool took the load and the request arrived)
     # and apply -> load done (the loader's future; the apply's return if it was done by then).
-    by_mode: dict[tuple[bool, bool], tuple[list[float], list[float], list[float]]] = {m: ([], [], []) for m in modes}
-    # Per setting with the pacer on: its step and composition estimates as the timed request arrived.
-    estimated: dict[tuple[bool, bool], list[tuple[float, float]]] = {m: [] for m in modes}
+    by_mode: dict[tuple[bool, str], tuple[list[float], list[float], list[float]]] = {m: ([], [], []) for m in modes}
+    # Per setting with a pacer, as the timed request arrived: its step estimate, the composition it holds a
+    # decode-only step to, and its window's longest composition of a decode-only step and of a prompt step.
+    estimated: dict[tuple[bool, str], list[tuple[float, float, float, float]]] = {m: [] for m in modes}
     timeline = LoadTimeline(eng) if TRACE else None
     once = threading.Lock()  # the loader's thread and this one may both see a switch
     for i, v2 in enumerate(v2s):
         mode = modes[i % len(modes)]
         eng.pool.load_ahead = mode[0]
-        eng.pacer = pacer if mode[1] else None
+        eng.pacer = pacers[mode[1]]
         totals, switches, loads = by_mode[mode]
         decoding: set[str] = set()  # background requests past their second token
         for j in range(8):  # live traffic on v1
@@ -1097,16 +1120,17 @@ def section_hot_swap(
             old: AdapterVersion | None = old,
             first: list[float] = first,
             arrived: list[float] = arrived,
-            mode: tuple[bool, bool] = mode,
+            mode: tuple[bool, str] = mode,
         ) -> None:
             """The timed request, sent once the pool serves the new version (a loader thread calls this)."""
             with once:
                 if arrived or eng.pool.lookup("swap") is old:
                     return
                 arrived.append(time.perf_counter())
-                estimates = eng.pacer.estimates() if eng.pacer is not None else None
-                if estimates is not None:
-                    estimated[mode].append(estimates)
+                paced = eng.pacer
+                estimates = paced.estimates(prompts=False) if paced is not None else None
+                if paced is not None and estimates is not None:
+                    estimated[mode].append((*estimates, longest(paced, False), longest(paced, True)))
                 send_timed(eng, f"sw{i}", prompt, "swap", first)
 
         # Ahead of the engine's own wake-up, so the request is queued when the engine thread wakes.
@@ -1144,7 +1168,7 @@ def section_hot_swap(
         if len(load_ahead) > 1:
             label += f", load ahead of the check {'on' if ahead else 'off'}"
         if len(compose_late) > 1:
-            label += f", compose late {'on' if late else 'off'}"
+            label += f", compose late {late}"
         report_loader(
             f"(f) hot swap under load{label}, p50 of {len(totals)}: apply -> first token on the new version "
             f"{p50(totals) * 1e3:.1f} ms, slowest {max(totals) * 1e3:.1f} ms (apply -> switch, i.e. the staged load, "
@@ -1156,27 +1180,38 @@ def section_hot_swap(
             f"(min {min(loads) * 1e3:.1f}, max {max(loads) * 1e3:.1f})"
         )
         if estimated[(ahead, late)]:
-            steps = [step for step, _ in estimated[(ahead, late)]]
-            compositions = [composition for _, composition in estimated[(ahead, late)]]
+            steps, held, decode, prompts = (list(column) for column in zip(*estimated[(ahead, late)], strict=True))
             report_loader(
                 f"(f) the pacer's estimates as the timed request arrived{label}, p50: step {p50(steps) * 1e3:.2f} ms "
-                f"(shortest {min(steps) * 1e3:.2f}), composition {p50(compositions) * 1e3:.2f} ms (longest "
-                f"{max(compositions) * 1e3:.2f})"
+                f"(shortest {min(steps) * 1e3:.2f}), a decode-only step's composition held to {p50(held) * 1e3:.2f} ms "
+                f"(longest {max(held) * 1e3:.2f}); its window's longest composition of a decode-only step "
+                f"{p50(decode) * 1e3:.2f} ms, of a step with prompts {p50(prompts) * 1e3:.2f} ms"
             )
-    for index, (name, settings) in enumerate((("load ahead of the check", load_ahead), ("compose late", compose_late))):
-        if len(settings) == 2:
-            on = [t for m, (ts, _, _) in by_mode.items() if m[index] for t in ts]
-            off = [t for m, (ts, _, _) in by_mode.items() if not m[index] for t in ts]
-            report_loader(f"(f) {name} on / off, p50 apply -> first token: {p50(on) / p50(off):.3f}x")
+    if len(load_ahead) == 2:
+        on = [t for m, (ts, _, _) in by_mode.items() if m[0] for t in ts]
+        off = [t for m, (ts, _, _) in by_mode.items() if not m[0] for t in ts]
+        report_loader(f"(f) load ahead of the check on / off, p50 apply -> first token: {p50(on) / p50(off):.3f}x")
+    totals_by = {late: [t for m, (ts, _, _) in by_mode.items() if m[1] == late for t in ts] for late in compose_late}
+    for late, base in (("on", "off"), ("by-kind", "off"), ("by-kind", "on")):
+        if late in totals_by and base in totals_by:
+            ratio = p50(totals_by[late]) / p50(totals_by[base])
+            report_loader(f"(f) compose late {late} / {base}, p50 apply -> first token: {ratio:.3f}x")
 
 
 PROBE_STEPS = 6  # (p): steps an arrival may take to its first token (it arrives within 15 ms)
 
 
 def section_pacing(
-    b: Bench, eng: LLMEngine, prompt: list[int], slacks_ms: list[float], rounds: int = 4, probes: int = 3
+    b: Bench,
+    eng: LLMEngine,
+    prompt: list[int],
+    slacks_ms: list[float],
+    rounds: int = 4,
+    probes: int = 3,
+    by_kind: bool = False,
 ) -> None:
-    """(p) the engine's late composition (its pacer, one per slack of `slacks_ms`) and none, side by side on one
+    """(p) the engine's late composition (its pacer, one per slack of `slacks_ms`, and with `by_kind` one by
+    kind per slack too: engine/step_pacing.py) and none, side by side on one
     engine while `b.running` base requests decode: the decode steps per second with nothing arriving (what
     holding the composition back may cost), with how many of those steps the GPU ran dry before
     (`LLMEngine.dry_launches`), and the TTFT of requests that arrive at random moments from another thread (as
@@ -1190,6 +1225,8 @@ def section_pacing(
         return
     modes: dict[str, ComposePacer | None] = {"off": None}
     modes.update({f"on, slack {ms:g} ms": ComposePacer(slack_s=ms / 1e3) for ms in slacks_ms})
+    if by_kind:
+        modes.update({f"by-kind, slack {ms:g} ms": ComposePacer(slack_s=ms / 1e3, by_kind=True) for ms in slacks_ms})
     original = eng.pacer
     block, warm = 6, 2  # steady steps timed per turn, and steps before them (the mode's pacer measures them)
     # Steps a request lives through: per turn, a warm-up before the steady block and another before the
@@ -1272,7 +1309,7 @@ def section_pacing(
     off_ttft, off_rate = p50(ttfts["off"]), steps / seconds["off"]
     for m, pacer in modes.items():
         estimate = ""
-        if pacer is not None and (estimates := pacer.estimates()) is not None:
+        if pacer is not None and (estimates := pacer.estimates(prompts=False)) is not None:
             step, composition = estimates
             estimate = f"; its last estimates: step {step * 1e3:.2f} ms, composition {composition * 1e3:.2f} ms"
         rate = steps / seconds[m]
@@ -1355,8 +1392,9 @@ def main() -> None:
     ap.add_argument(
         "--compose-late",
         default="on",
-        help="(f): the engine's late composition (its pacer), e.g. on,off: the swaps alternate between them, "
-        "--swaps of each ((p) compares pacers of --pacer-slack-ms with none; (s) runs once per mode)",
+        help="(f): the engine's late composition (its pacer: on, by-kind or off), e.g. on,by-kind,off: the swaps "
+        "take them in turn, --swaps of each ((p) compares pacers of --pacer-slack-ms, by kind too where by-kind is "
+        "listed, with none; (s) runs once per mode)",
     )
     ap.add_argument(
         "--pacer-slack-ms",
@@ -1423,13 +1461,14 @@ def main() -> None:
             ap.error(f"{flag} must be at least 1, got {count}")
     for flag, value in (
         ("--load-ahead", args.load_ahead),
-        ("--compose-late", args.compose_late),
         ("--fills-beside-steps", args.fills_beside_steps),
         ("--layered-fills", args.layered_fills),
         ("--layered-fill-engines", args.layered_fill_engines),
     ):
         if not set(value.split(",")) <= {"on", "off"}:
             ap.error(f"{flag} takes on and off, comma-separated, got {value!r}")
+    if not set(args.compose_late.split(",")) <= set(COMPOSE_LATE):
+        ap.error(f"--compose-late takes {', '.join(COMPOSE_LATE)}, comma-separated, got {args.compose_late!r}")
     global TRACE, LOADER, SERVED_DIAGNOSTICS
     TRACE = args.trace
     SERVED_DIAGNOSTICS = args.served_diagnostics
@@ -1512,7 +1551,9 @@ def main() -> None:
         elif "j" in args.only:
             section_others_during_loads(b, eng, prompt, cold_joins=False)
         if "p" in args.only:
-            section_pacing(b, eng, prompt, [float(ms) for ms in args.pacer_slack_ms.split(",")], args.pacing_rounds)
+            slacks = [float(ms) for ms in args.pacer_slack_ms.split(",")]
+            kinds = "by-kind" in args.compose_late.split(",")
+            section_pacing(b, eng, prompt, slacks, args.pacing_rounds, by_kind=kinds)
         if "f" in args.only:
             section_hot_swap(
                 b,
@@ -1520,10 +1561,10 @@ def main() -> None:
                 prompt,
                 args.swaps,
                 tuple(m == "on" for m in args.load_ahead.split(",")),
-                tuple(m == "on" for m in args.compose_late.split(",")),
+                tuple(args.compose_late.split(",")),
             )
         if "s" in args.only:  # (starts the engine's step loop: last)
-            paced = tuple(m == "on" for m in args.compose_late.split(","))
+            paced = tuple(args.compose_late.split(","))
             beside = tuple(m == "on" for m in args.fills_beside_steps.split(","))
             section_served_loads(b, eng, prompt, args.served_rounds, paced, beside)
         eng.stop()

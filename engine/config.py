@@ -66,7 +66,9 @@ class EngineConfig:
     async_steps: str = "auto"
     # With async steps: on composes the next step late in the step in flight, or as soon as a request arrives
     # or an adapter's load ends, so such requests join the next step instead of the one after it
-    # (engine/step_pacing.py) | off composes it as soon as the step in flight starts | auto (on)
+    # (engine/step_pacing.py) | by-kind: on, a next step with no prompt work held to decode-only compositions'
+    # times, not to the longest recent one (opt-in, not yet measured on a GPU) | off composes it as soon as the
+    # step in flight starts | auto (on)
     compose_late: str = "auto"
     # on: CUDA decode steps fold the q/k/v, gate/up and down LoRA shrinks into the norm and SiLU kernels that
     # write their inputs (engine/kernels_shrink_fused.py): three launches a layer fewer. Measured on an H200
@@ -148,8 +150,8 @@ class EngineConfig:
             raise ValueError(f"prefix_caching must be on or off, got {self.prefix_caching!r}")
         if self.async_steps not in ("auto", "on", "off"):
             raise ValueError(f"async_steps must be auto, on or off, got {self.async_steps!r}")
-        if self.compose_late not in ("auto", "on", "off"):
-            raise ValueError(f"compose_late must be auto, on or off, got {self.compose_late!r}")
+        if self.compose_late not in ("auto", "on", "by-kind", "off"):
+            raise ValueError(f"compose_late must be auto, on, by-kind or off, got {self.compose_late!r}")
         if self.warm_up not in ("auto", "on", "off"):
             raise ValueError(f"warm_up must be auto, on or off, got {self.warm_up!r}")
         if self.layered_fills not in ("on", "off"):

@@ -124,7 +124,8 @@ class LLMEngine:
         # Async steps: the next step is composed late in the step in flight, or at once when something arrives
         # (`EngineConfig.compose_late`); benchmarks may set it to None. `_inflight_since`: when the step in
         # flight started on the device, by the engine thread's clock.
-        self.pacer = ComposePacer() if self.async_steps and config.compose_late != "off" else None
+        late = self.async_steps and config.compose_late != "off"
+        self.pacer = ComposePacer(by_kind=config.compose_late == "by-kind") if late else None
         self._inflight_since = 0.0
         # Whether the step in flight ran an eager pass: the device ran it as it was launched, before
         # `_inflight_since`, so its end tells the pacer nothing of a step's time.
@@ -412,6 +413,7 @@ class LLMEngine:
                 self._wakeup,
                 lambda: not self._commands.empty(),
                 started_known=not self._inflight_eager,
+                prompts=self.scheduler.prompts_next(),
             )
             self._drain_commands()
         started = step_start_event(self.device) if pacer is not None and previous is not None else None
@@ -457,7 +459,7 @@ class LLMEngine:
             # composition of the pacer's window, which moved the next steps' deadlines to their start: a
             # request arriving while one of them ran waited for the step after the next (bench/RESULTS-gpu.md,
             # stop 43). A step composed late whose eager pass is launch-bound can still leave the device idle.
-            pacer.composed((eager_started if eager_started is not None else launched) - composing)
+            pacer.composed((eager_started if eager_started is not None else launched) - composing, bool(prefills))
         self.steps += 1
         self._fill_ahead()
         if self.async_steps and self.step_trace is None:  # a trace times each phase up to its own tokens

@@ -91,6 +91,13 @@ class Scheduler:
             budget -= prefills[seq]
         return prefills
 
+    def prompts_next(self) -> bool:
+        """Whether the next `schedule` may take in prompt tokens: a running prompt's next chunk, or a waiting
+        request that could start (a free KV slot, its adapter usable). Changes nothing."""
+        if any(s.prefilled < len(s.prompt_ids) for s in self.running):
+            return True
+        return self.kv.free_slots > 0 and any(self._startable(s) for s in self.waiting)
+
     def upcoming(self) -> list[Sequence]:
         """The waiting requests the next `schedule` would try to admit, in its order: as many as there are
         free KV slots, within the prefill token budget. Changes nothing (their adapters may still load)."""

@@ -15,6 +15,14 @@ moves the next deadlines earlier. Composing early costs nothing but the wait's p
 the GPU idle. A step that ends before the wait does (polled every `poll_s`) is composed at once, and the GPU
 then idles for one composition; the time it took, at most, joins the estimates, so they follow steps that got
 shorter.
+
+By kind (`by_kind`, opt-in: `EngineConfig.compose_late` "by-kind"): a step that takes in prompts (admissions, a
+long prompt's next chunk) composes for longer than one that only decodes. With one window, the longest
+composition of the last steps is most often a prompt step's, and it also holds back decode-only steps' deadlines:
+a request arriving in that margin before a decode step's end waits a whole step more. By kind, a next step with
+no prompt work in sight when the wait begins is held to the longest recent decode-only composition. The cost: a
+request that arrives within the margin the longest composition would have kept is composed at once, with its
+prompt, and the step in flight may end before that composition does (the GPU idles for the difference).
 """
 
 from __future__ import annotations
@@ -50,7 +58,8 @@ class Wakeup(Protocol):
 class ComposePacer:
     """Decides how long the engine thread waits before composing the next step (see the module docstring).
 
-    `window`: how many recent steps and compositions the estimates look back on.
+    `window`: how many recent steps and compositions the estimates look back on. `by_kind`: a next step with no
+    prompt work is held to decode-only compositions' times (see the module docstring).
     """
 
     def __init__(
@@ -59,26 +68,31 @@ class ComposePacer:
         slack_s: float = 0.0005,
         poll_s: float = 0.0005,
         clock: Callable[[], float] = time.perf_counter,
+        by_kind: bool = False,
     ) -> None:
         if window < 1:
             raise ValueError(f"window must be positive, got {window}")
-        self.slack_s, self.poll_s, self.clock = slack_s, poll_s, clock
+        self.slack_s, self.poll_s, self.clock, self.by_kind = slack_s, poll_s, clock, by_kind
         self._device_s: collections.deque[float] = collections.deque(maxlen=window)
-        self._compose_s: collections.deque[float] = collections.deque(maxlen=window)
+        # (seconds, whether the step took in prompts)
+        self._compose_s: collections.deque[tuple[float, bool]] = collections.deque(maxlen=window)
         self.waits = 0  # compositions held back (tests, benchmarks)
         self.woken = 0  # of which ended by an arrival
 
-    def estimates(self) -> tuple[float, float] | None:
+    def estimates(self, prompts: bool = True) -> tuple[float, float] | None:
         """The step's and the composition's time the deadlines use, in seconds: the shortest recent step's and
-        the longest recent composition's; None until a step and a composition were measured."""
+        the longest recent composition's (by kind, for a next step without `prompts`: the longest recent
+        decode-only one's, where the window holds any); None until a step and a composition were measured."""
         if not self._device_s or not self._compose_s:
             return None
-        return min(self._device_s), max(self._compose_s)
+        times = [s for s, took in self._compose_s if not took] if self.by_kind and not prompts else []
+        return min(self._device_s), max(times or [s for s, _ in self._compose_s])
 
-    def deadline(self, since: float) -> float | None:
+    def deadline(self, since: float, prompts: bool = True) -> float | None:
         """When to compose the next step, for a step in flight that started on the device at `since` (the
-        clock's time); None until a step and a composition were measured."""
-        estimates = self.estimates()
+        clock's time), the next step taking in `prompts` or not; None until a step and a composition were
+        measured."""
+        estimates = self.estimates(prompts)
         if estimates is None:
             return None
         step, composition = estimates
@@ -91,16 +105,18 @@ class ComposePacer:
         wake: Wakeup,
         arrived: Callable[[], bool],
         started_known: bool = True,
+        prompts: bool = True,
     ) -> float:
         """Block until the next step should be composed: `flight` is near its end or done, or something
         arrived (`wake` set after this call began, or `arrived()`). Returns when the composition was due: the
         deadline where the wait ran to it (however late this thread woke), else the clock's time at its end.
         `started_known` False: `flight` may have started on the device well before `since` (an eager pass runs
-        as it is launched), so its end before the deadline is no step time to learn from.
+        as it is launched), so its end before the deadline is no step time to learn from. `prompts`: whether the
+        next step has prompt work in sight (`Scheduler.prompts_next`), for a pacer `by_kind`.
 
         `wake` is cleared first: an earlier set was for work the caller has already taken in."""
         wake.clear()
-        deadline = self.deadline(since)
+        deadline = self.deadline(since, prompts)
         now = self.clock()
         if deadline is None or now >= deadline:
             return now
@@ -129,11 +145,17 @@ class ComposePacer:
     @property
     def compose_times(self) -> tuple[float, ...]:
         """The recent compositions' times the estimates use, in seconds (benchmarks)."""
+        return tuple(s for s, _ in self._compose_s)
+
+    @property
+    def compositions(self) -> tuple[tuple[float, bool], ...]:
+        """The recent compositions: their times in seconds, and whether their steps took in prompts (benchmarks)."""
         return tuple(self._compose_s)
 
-    def composed(self, seconds: float) -> None:
-        """Record one composition's time on the engine thread (from when it was due to its step's launch)."""
-        self._compose_s.append(seconds)
+    def composed(self, seconds: float, prompts: bool = True) -> None:
+        """Record one composition's time on the engine thread (from when it was due to its step's launch), of a
+        step that took in `prompts` or only decoded."""
+        self._compose_s.append((seconds, prompts))
 
     def ran(self, flight: StepInFlight) -> None:
         """Record a read step's device time, where it was timed."""

@@ -91,7 +91,8 @@ def test_compose_late_flag() -> None:
     parser = build_parser()
     assert config_from(parser.parse_args([])).compose_late == "auto"
     assert config_from(parser.parse_args(["--compose-late", "off"])).compose_late == "off"
-    with pytest.raises(ValueError, match="compose_late must be auto, on or off"):
+    assert config_from(parser.parse_args(["--compose-late", "by-kind"])).compose_late == "by-kind"
+    with pytest.raises(ValueError, match="compose_late must be auto, on, by-kind or off"):
         config_from(parser.parse_args(["--compose-late", "later"])).validate()
 
 

@@ -54,9 +54,16 @@ def add(eng: LLMEngine, request_id: str, outputs: list[RequestOutput]) -> None:
 
 
 def test_the_pacer_runs_with_async_steps_unless_off(model: Path) -> None:
-    for steps, late, paced in (("on", "auto", True), ("on", "on", True), ("on", "off", False), ("off", "on", False)):
+    for steps, late, paced in (
+        ("on", "auto", True),
+        ("on", "on", True),
+        ("on", "by-kind", True),
+        ("on", "off", False),
+        ("off", "on", False),
+    ):
         eng = tiny_engine(model, steps, compose_late=late)
         assert (eng.pacer is not None) is paced, (steps, late)
+        assert eng.pacer is None or eng.pacer.by_kind is (late == "by-kind")
         eng.stop()
 
 
@@ -271,3 +278,38 @@ def test_an_eager_steps_early_end_is_no_step_time(engine: LLMEngine, monkeypatch
     monkeypatch.setattr(InFlight, "done", lambda self: True)  # seen done before the deadline
     engine.step()
     assert pacer.device_times == (30.0,) and pacer.waits == 2
+
+
+def timed_step(engine: LLMEngine) -> float:
+    start = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - start
+
+
+def test_by_kind_decode_steps_are_held_to_decode_compositions(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`compose_late` by-kind: a step with no prompt work in sight waits for the decode-only compositions'
+    margin, not a prompt step's; a step that took in a prompt is recorded as such, however long it composed."""
+    outputs: list[RequestOutput] = []
+    started_step(engine, outputs, step_seconds=0.0)
+    pacer = ComposePacer(slack_s=0.0, by_kind=True)
+    pacer.ran(Flight(Clock(), seconds=0.3))
+    pacer.composed(0.25, prompts=True)
+    engine.pacer = pacer
+    assert timed_step(engine) < 0.2  # no decode composition known yet: held to the prompt step's 0.25 s
+    assert timed_step(engine) >= 0.2  # held to the decode step's just before
+    logits = engine.forward.logits
+
+    def slow_prompts(running: object, prefills: dict[object, int], *args: object) -> object:
+        if prefills:
+            time.sleep(0.2)  # a prompt step that composes long
+        return logits(running, prefills, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.forward, "logits", slow_prompts)
+    add(engine, "second", outputs)  # (ends the wait at once)
+    engine.step()  # its prefill
+    assert max(pacer.compose_times) >= 0.2
+    assert timed_step(engine) >= 0.2  # the decode steps' margin is still theirs
+    engine.pacer = None
+    engine.run_until_idle()

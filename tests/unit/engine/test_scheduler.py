@@ -218,3 +218,23 @@ def test_a_prompt_waiting_for_room_is_not_passed_by_the_chunks_of_longer_ones(po
     assert scheduler.upcoming() == [waits, long]
     assert scheduler.schedule() == {waits: 8, long: 2}
     assert scheduler.schedule() == {long: 10}
+
+
+def test_prompts_next_sees_a_prompts_next_chunk_and_a_request_that_could_start(pool: AdapterPool) -> None:
+    """What the engine's pacer by kind asks before it holds a step back (engine/step_pacing.py)."""
+    scheduler = _scheduler(pool, kv_slots=2, budget=10)
+    assert not scheduler.prompts_next()
+    scheduler.add(first := _seq("first", None))
+    assert scheduler.prompts_next()  # a free KV slot: it would start
+    scheduler.schedule()
+    assert not scheduler.prompts_next()  # decoding only
+    scheduler.add(_seq("long", None, prompt_len=23))
+    scheduler.schedule()  # its first chunk
+    assert scheduler.prompts_next()  # its next chunk
+    scheduler.schedule()
+    scheduler.schedule()
+    assert not scheduler.prompts_next()
+    scheduler.add(_seq("third", None))  # no KV slot left: it cannot start
+    assert not scheduler.prompts_next()
+    scheduler.finish(first)
+    assert scheduler.prompts_next()

@@ -177,3 +177,38 @@ def test_a_step_whose_start_is_unknown_ends_the_wait_early_unmeasured() -> None:
     flight = Flight(clock, ends_at=100.002)
     assert pacer.wait(flight, 100.0, Wake(clock), nothing_arrived, started_known=False) == pytest.approx(100.002)
     assert pacer.device_times == (0.010,)
+
+
+def by_kind(clock: Clock, **kwargs: float) -> ComposePacer:
+    """A pacer by kind that saw a 10 ms step, a prompt step's 4 ms composition and a decode step's 1 ms."""
+    pacer = ComposePacer(clock=clock, by_kind=True, slack_s=0.0, **kwargs)
+    pacer.ran(Flight(clock, seconds=0.010))
+    pacer.composed(0.004, prompts=True)
+    pacer.composed(0.001, prompts=False)
+    return pacer
+
+
+def test_by_kind_a_next_step_without_prompts_is_held_to_decode_compositions() -> None:
+    clock = Clock()
+    pacer = by_kind(clock)
+    assert pacer.deadline(100.0, prompts=False) == pytest.approx(100.009)
+    assert pacer.deadline(100.0, prompts=True) == pytest.approx(100.006)  # the longest of either kind
+    assert pacer.estimates(prompts=False) == pytest.approx((0.010, 0.001))
+    assert pacer.wait(Flight(clock), 100.0, Wake(clock), nothing_arrived, prompts=False) == pytest.approx(100.009)
+
+
+def test_one_window_holds_every_step_to_the_longest_composition() -> None:
+    clock = Clock()
+    pacer = measured(clock, [0.010], [], slack_s=0.0)
+    pacer.composed(0.004, prompts=True)
+    pacer.composed(0.001, prompts=False)
+    assert pacer.deadline(100.0, prompts=False) == pacer.deadline(100.0, prompts=True) == pytest.approx(100.006)
+    assert pacer.compose_times == (0.004, 0.001)
+
+
+def test_by_kind_without_a_decode_composition_in_the_window_takes_the_longest() -> None:
+    clock = Clock()
+    pacer = by_kind(clock, window=2)
+    for _ in range(2):  # the decode step's 1 ms leaves the window, then the 4 ms prompt step's
+        pacer.composed(0.003, prompts=True)
+    assert pacer.deadline(100.0, prompts=False) == pytest.approx(100.007)
