@@ -814,7 +814,8 @@ def section_served_loads(
             order = SERVED_PHASES[r % len(SERVED_PHASES) :] + SERVED_PHASES[: r % len(SERVED_PHASES)]
             row: dict[str, float] = {}
             for k, phase in enumerate(order):
-                out, own, load_s = phase_run(phase, f"{modes.index(mode)}{r}{k}", interval)
+                tag = f"{PACER_TAGS[mode[0]]}{mode[1]:d}{r}{k}"  # (in request ids and --served-diagnostics)
+                out, own, load_s = phase_run(phase, tag, interval)
                 gaps[mode][phase] += out
                 ttfts[mode][phase] += own
                 loads[mode] += load_s
@@ -1037,6 +1038,7 @@ class LoadTimeline:
 
 
 COMPOSE_LATE = ("on", "by-kind", "off")  # the modes --compose-late takes
+PACER_TAGS = {"on": "n", "by-kind": "k", "off": "f"}  # (s)'s short names for them
 
 
 def pacers_for(eng: LLMEngine, modes: tuple[str, ...]) -> dict[str, ComposePacer | None]:
@@ -1071,6 +1073,8 @@ def section_hot_swap(
     next request would under steady traffic). With several `load_ahead` settings (the pool's: the new
     version's load started beside its check, or after it) or `compose_late` ones (the engine's pacer on, by
     kind, or off: `pacers_for`), the swaps take each pair in turn, `swaps` each."""
+    if eng.pacer is None:  # no async steps: nothing composes late, and the modes would be one
+        compose_late = ("off",)
     modes = [(ahead, late) for ahead in load_ahead for late in compose_late]
     v1, *v2s = b.adapters(eng, "swap", swaps * len(modes) + 1)  # single swaps vary by a step or a collection
     eng.load_adapter("swap", str(v1), wait=True)

@@ -413,7 +413,7 @@ class LLMEngine:
                 self._wakeup,
                 lambda: not self._commands.empty(),
                 started_known=not self._inflight_eager,
-                prompts=self.scheduler.prompts_next(),
+                prompts=self.scheduler.prompts_next,
             )
             self._drain_commands()
         started = step_start_event(self.device) if pacer is not None and previous is not None else None

@@ -93,10 +93,19 @@ class Scheduler:
 
     def prompts_next(self) -> bool:
         """Whether the next `schedule` may take in prompt tokens: a running prompt's next chunk, or a waiting
-        request that could start (a free KV slot, its adapter usable). Changes nothing."""
+        request that could start (a free KV slot, its adapter's current version in memory). Changes nothing,
+        and starts no load, unlike `_startable`. It may say yes for a step that will only decode: a request
+        whose adapter finds every LoRA slot busy, or a prompt held back for a later step, still counts."""
         if any(s.prefilled < len(s.prompt_ids) for s in self.running):
             return True
-        return self.kv.free_slots > 0 and any(self._startable(s) for s in self.waiting)
+        return self.kv.free_slots > 0 and any(self._usable(s) for s in self.waiting)
+
+    def _usable(self, seq: Sequence) -> bool:
+        """Whether `seq`'s adapter (its current version) has its weights in memory, or it has none."""
+        if seq.adapter is None:
+            return True
+        current = self.pool.current(seq.adapter)
+        return current is not None and current.weights is not None
 
     def upcoming(self) -> list[Sequence]:
         """The waiting requests the next `schedule` would try to admit, in its order: as many as there are

@@ -55,6 +55,11 @@ class Wakeup(Protocol):
     def wait(self, timeout: float | None = None) -> bool: ...
 
 
+def prompts_in_sight() -> bool:
+    """`ComposePacer.wait`'s default: the next step may take in prompts (what a pacer not by kind assumes)."""
+    return True
+
+
 class ComposePacer:
     """Decides how long the engine thread waits before composing the next step (see the module docstring).
 
@@ -105,18 +110,19 @@ class ComposePacer:
         wake: Wakeup,
         arrived: Callable[[], bool],
         started_known: bool = True,
-        prompts: bool = True,
+        prompts: Callable[[], bool] = prompts_in_sight,
     ) -> float:
         """Block until the next step should be composed: `flight` is near its end or done, or something
         arrived (`wake` set after this call began, or `arrived()`). Returns when the composition was due: the
         deadline where the wait ran to it (however late this thread woke), else the clock's time at its end.
         `started_known` False: `flight` may have started on the device well before `since` (an eager pass runs
         as it is launched), so its end before the deadline is no step time to learn from. `prompts`: whether the
-        next step has prompt work in sight (`Scheduler.prompts_next`), for a pacer `by_kind`.
+        next step has prompt work in sight (`Scheduler.prompts_next`), asked only by a pacer `by_kind`, after
+        `wake` is cleared: a load that ended before is seen there, or its wake-up ends the wait.
 
         `wake` is cleared first: an earlier set was for work the caller has already taken in."""
         wake.clear()
-        deadline = self.deadline(since, prompts)
+        deadline = self.deadline(since, prompts() if self.by_kind else True)
         now = self.clock()
         if deadline is None or now >= deadline:
             return now
@@ -144,7 +150,8 @@ class ComposePacer:
 
     @property
     def compose_times(self) -> tuple[float, ...]:
-        """The recent compositions' times the estimates use, in seconds (benchmarks)."""
+        """The recent compositions' times, in seconds (benchmarks); by kind, a decode-only step's estimate uses
+        only those of decode-only steps where there are any (`compositions`)."""
         return tuple(s for s, _ in self._compose_s)
 
     @property
@@ -155,7 +162,7 @@ class ComposePacer:
     def composed(self, seconds: float, prompts: bool = True) -> None:
         """Record one composition's time on the engine thread (from when it was due to its step's launch), of a
         step that took in `prompts` or only decoded."""
-        self._compose_s.append((seconds, prompts))
+        self._compose_s.append((seconds, bool(prompts)))
 
     def ran(self, flight: StepInFlight) -> None:
         """Record a read step's device time, where it was timed."""

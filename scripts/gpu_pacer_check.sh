@@ -1,7 +1,7 @@
 #!/bin/bash
 # The next GPU session's first call (bench/RESULTS-gpu.md, "Next GPU session"): hot swap (f) at 32 layers with
-# the pacer on, by kind (stop 45's opt-in) and off, 22 ms and 0.78x on / off with it on (stop 45); (p) at 32
-# layers and (s) at 16 with the same pacers; then the engine's GPU tests and (d) with (s) at 16 layers, as
+# the pacer on, by kind (stop 45's opt-in) and off (stop 45: 22 ms on, 0.78x off); (p) at 32 layers with the
+# same three; (s) at 16 layers on and by kind; then the engine's GPU tests and (d) with (s) at 16 layers, as
 # long as the call's time lasts.
 #
 #   bash scripts/gpu_pacer_check.sh [LIMIT]      (carry: [".gpu", ".whl"]; LIMIT: the call's seconds, 570)

@@ -311,5 +311,7 @@ def test_by_kind_decode_steps_are_held_to_decode_compositions(
     engine.step()  # its prefill
     assert max(pacer.compose_times) >= 0.2
     assert timed_step(engine) >= 0.2  # the decode steps' margin is still theirs
+    monkeypatch.setattr(engine.scheduler, "prompts_next", lambda: True)  # a long prompt's next chunk, say
+    assert timed_step(engine) < 0.2  # held to the longest composition, a prompt step's
     engine.pacer = None
     engine.run_until_idle()

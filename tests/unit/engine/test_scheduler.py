@@ -238,3 +238,15 @@ def test_prompts_next_sees_a_prompts_next_chunk_and_a_request_that_could_start(p
     assert not scheduler.prompts_next()
     scheduler.finish(first)
     assert scheduler.prompts_next()
+
+
+def test_prompts_next_starts_no_load_and_counts_an_adapter_out_of_memory_as_not_ready(
+    pool: AdapterPool, tmp_path: Path
+) -> None:
+    version = _loaded(pool, "a", write_adapter(tmp_path / "a", seed=1))
+    scheduler = _scheduler(pool)
+    scheduler.add(_seq("a1", version))
+    assert scheduler.prompts_next()
+    version.weights = None  # its host copy dropped (evicted from host RAM)
+    assert not scheduler.prompts_next()
+    assert version.loading is None and not version.wanted  # `_startable` would have started its load

@@ -194,7 +194,26 @@ def test_by_kind_a_next_step_without_prompts_is_held_to_decode_compositions() ->
     assert pacer.deadline(100.0, prompts=False) == pytest.approx(100.009)
     assert pacer.deadline(100.0, prompts=True) == pytest.approx(100.006)  # the longest of either kind
     assert pacer.estimates(prompts=False) == pytest.approx((0.010, 0.001))
-    assert pacer.wait(Flight(clock), 100.0, Wake(clock), nothing_arrived, prompts=False) == pytest.approx(100.009)
+    decode_only = nothing_arrived  # (no prompt work in sight)
+    assert pacer.wait(Flight(clock), 100.0, Wake(clock), nothing_arrived, prompts=decode_only) == pytest.approx(100.009)
+    asked = []
+
+    def prompts() -> bool:
+        asked.append(clock.now)
+        return True
+
+    assert pacer.wait(Flight(clock), 200.0, Wake(clock), nothing_arrived, prompts=prompts) == pytest.approx(200.006)
+    assert asked == [pytest.approx(100.009)]  # once, as the wait began
+
+
+def test_a_pacer_not_by_kind_never_asks_for_the_next_steps_kind() -> None:
+    clock = Clock()
+    pacer = measured(clock, [0.010], [0.001])
+
+    def prompts() -> bool:
+        raise AssertionError("asked")
+
+    assert pacer.wait(Flight(clock, ends_at=100.002), 100.0, Wake(clock), nothing_arrived, prompts=prompts) > 100.0
 
 
 def test_one_window_holds_every_step_to_the_longest_composition() -> None:
