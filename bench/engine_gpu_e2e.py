@@ -1037,8 +1037,8 @@ class LoadTimeline:
         print(f"  [swap {swap}] " + ", ".join(f"{mark} {ms(t)}" for mark, t in {**loaded, **marks}.items()))
 
 
-COMPOSE_LATE = ("on", "by-kind", "off")  # the modes --compose-late takes
-PACER_TAGS = {"on": "n", "by-kind": "k", "off": "f"}  # (s)'s short names for them
+PACER_TAGS = {"on": "n", "by-kind": "k", "off": "f"}  # the modes --compose-late takes, and (s)'s short names
+COMPOSE_LATE = tuple(PACER_TAGS)
 
 
 def pacers_for(eng: LLMEngine, modes: tuple[str, ...]) -> dict[str, ComposePacer | None]:
@@ -1057,7 +1057,8 @@ def pacers_for(eng: LLMEngine, modes: tuple[str, ...]) -> dict[str, ComposePacer
 
 def longest(pacer: ComposePacer, prompts: bool) -> float:
     """The longest composition in `pacer`'s window of steps that took in prompts or only decoded (0 if none)."""
-    return max((s for s, took in pacer.compositions if took is prompts), default=0.0)
+    longest = pacer.longest_composition(prompts)
+    return 0.0 if longest is None else longest
 
 
 def section_hot_swap(

@@ -90,8 +90,13 @@ class ComposePacer:
         decode-only one's, where the window holds any); None until a step and a composition were measured."""
         if not self._device_s or not self._compose_s:
             return None
-        times = [s for s, took in self._compose_s if not took] if self.by_kind and not prompts else []
-        return min(self._device_s), max(times or [s for s, _ in self._compose_s])
+        decode = self.longest_composition(prompts=False) if self.by_kind and not prompts else None
+        return min(self._device_s), max(self.compose_times) if decode is None else decode
+
+    def longest_composition(self, prompts: bool) -> float | None:
+        """The longest recent composition of a step that took in `prompts`, or of one that only decoded; None
+        where the window holds none of that kind."""
+        return max((s for s, took in self._compose_s if took is prompts), default=None)
 
     def deadline(self, since: float, prompts: bool = True) -> float | None:
         """When to compose the next step, for a step in flight that started on the device at `since` (the
@@ -151,13 +156,8 @@ class ComposePacer:
     @property
     def compose_times(self) -> tuple[float, ...]:
         """The recent compositions' times, in seconds (benchmarks); by kind, a decode-only step's estimate uses
-        only those of decode-only steps where there are any (`compositions`)."""
+        only those of decode-only steps where there are any (`longest_composition`)."""
         return tuple(s for s, _ in self._compose_s)
-
-    @property
-    def compositions(self) -> tuple[tuple[float, bool], ...]:
-        """The recent compositions: their times in seconds, and whether their steps took in prompts (benchmarks)."""
-        return tuple(self._compose_s)
 
     def composed(self, seconds: float, prompts: bool = True) -> None:
         """Record one composition's time on the engine thread (from when it was due to its step's launch), of a
